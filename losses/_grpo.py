@@ -1,0 +1,177 @@
+"""GRPO / PPO-clip policy loss with optional dual clip and KL penalty."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from losses._batch import Batch, Term, check_logprobs_shape, require
+from losses._common import (
+    KL_ESTIMATORS,
+    check_choice,
+    check_number,
+    clamped_log_ratio,
+    kl_penalty,
+    masked_mean,
+    per_token_advantages,
+)
+from losses._reductions import term_weights, validate_reduction
+
+
+def ppo_clip_terms(
+    log_ratio_BT: jax.Array,
+    adv_BT: jax.Array,
+    *,
+    ratio_low: float,
+    ratio_high: float,
+    dual_clip: float | None = None,
+) -> jax.Array:
+    """Per-token clipped surrogate ``-min(r·A, clip(r, ratio_low, ratio_high)·A)``; float[B, T].
+
+    ``ratio_low``/``ratio_high`` are absolute ratio bounds (``1 - ε_lo``, ``1 + ε_hi``). With
+    ``dual_clip = c`` and ``A < 0`` the loss is capped at ``-c·A`` (Ye et al. 2020, verl
+    ``clip_ratio_c``). No reduction.
+
+    Args:
+      log_ratio_BT: ``log r`` (already clamped and 0 on masked tokens); float[B, T].
+      adv_BT: advantages, stop-gradiented, 0 on masked tokens; float[B, T].
+      ratio_low: lower absolute ratio bound.
+      ratio_high: upper absolute ratio bound.
+      dual_clip: optional ``c > 1``.
+
+    Returns:
+      float[B, T] per-token losses.
+    """
+    ratio = jnp.exp(log_ratio_BT)
+    unclipped = -adv_BT * ratio
+    clipped = -adv_BT * jnp.clip(ratio, ratio_low, ratio_high)
+    loss = jnp.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = jnp.where(adv_BT < 0, jnp.minimum(loss, -dual_clip * adv_BT), loss)
+    return loss
+
+
+def grpo(
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    reduction: str = "token_mean",
+    max_tokens: float | None = None,
+    max_log_ratio: float = 20.0,
+) -> Term:
+    """GRPO/PPO clipped policy loss (Shao et al. 2024, arXiv:2402.03300; Schulman et al. 2017).
+
+    Per action token, with ``r = exp(clip(p - old, ±max_log_ratio))``::
+
+        ℓ = -min(r·A, clip(r, 1 - clip_low, 1 + clip_high)·A)
+        ℓ = min(ℓ, -dual_clip·A)            if dual_clip is set and A < 0
+        ℓ += kl_coef · k(p, ref)            k ∈ {k1, k2, k3}, with its true gradient in p
+        L = Σ_{i,t} w_{i,t}·ℓ_{i,t}         w = the reduction's weights over action_mask
+
+    The gradient is ``-r·A·w`` inside the trust region and exactly 0 where clipping is active
+    (``A > 0, r > 1 + clip_high`` or ``A < 0, r < 1 - clip_low``). Masked tokens may hold any
+    value (inf, nan): they are replaced before ``exp`` and get exactly zero gradient.
+    ``clip_high = 0.28`` gives DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476).
+
+    Args:
+      clip_low: ε_lo ≥ 0 (< 1); the lower ratio bound is ``1 - clip_low``.
+      clip_high: ε_hi ≥ 0; the upper ratio bound is ``1 + clip_high``.
+      dual_clip: ``c > 1`` caps the loss of negative-advantage tokens at ``-c·A``; None = off.
+      kl_coef: β ≥ 0 of the KL penalty to ``batch.ref_logprobs`` (needed when β > 0).
+      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (Schulman 2020).
+      reduction: one of ``losses.REDUCTIONS``.
+      max_tokens: the Dr. GRPO constant, required for ``seq_mean_token_sum_norm``.
+      max_log_ratio: clamp of ``p - old`` and ``p - ref`` before ``exp`` (verl/SkyRL: 20).
+
+    Returns:
+      A `Term` ``(logprobs[B, T], batch) -> (loss, metrics)`` reading ``action_mask``,
+      ``advantages`` ([B] or [B, T]), ``old_logprobs`` and (with β > 0) ``ref_logprobs``.
+      Metrics: ``loss``, ``pg_loss``, ``kl_loss``, ``kl`` (token mean of the estimator),
+      ``clip_frac_low``, ``clip_frac_high``, ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``,
+      ``adv_mean``, ``num_tokens``.
+
+    Example:
+      >>> import jax.numpy as jnp, losses
+      >>> batch = losses.Batch(action_mask=jnp.ones((1, 2)), advantages=jnp.array([1.0]),
+      ...                      sampling_logprobs=jnp.array([[-1.0, -2.0]]))
+      >>> loss, metrics = losses.grpo()(jnp.array([[-1.0, -2.0]]), batch)
+      >>> float(loss)
+      -1.0
+    """
+    where = "grpo"
+    clip_low = check_number(where, "clip_low", clip_low, low=0.0)
+    if clip_low >= 1.0:
+        raise ValueError(
+            f"grpo: clip_low must be < 1 (the lower bound is 1 - clip_low), got {clip_low}"
+        )
+    clip_high = check_number(where, "clip_high", clip_high, low=0.0)
+    if dual_clip is not None:
+        dual_clip = check_number(where, "dual_clip", dual_clip, low=1.0, low_open=True)
+    kl_coef = check_number(where, "kl_coef", kl_coef, low=0.0)
+    check_choice(where, "kl_estimator", kl_estimator, KL_ESTIMATORS)
+    validate_reduction(reduction, max_tokens, where=where)
+    max_log_ratio = check_number(where, "max_log_ratio", max_log_ratio, low=0.0, low_open=True)
+    config = dict(
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        reduction=reduction,
+        max_tokens=max_tokens,
+        max_log_ratio=max_log_ratio,
+    )
+
+    def loss_fn(logprobs, batch: Batch):
+        lp = check_logprobs_shape(logprobs, batch)
+        batch = jax.lax.stop_gradient(batch)
+        old = require(batch, "old_logprobs", where)
+        valid = batch.action_mask > 0
+        adv = per_token_advantages(batch, valid, where)
+        w = term_weights(batch, "action", reduction, max_tokens)
+
+        log_ratio = clamped_log_ratio(lp, old, valid, max_log_ratio)
+        pg_BT = ppo_clip_terms(
+            log_ratio,
+            adv,
+            ratio_low=1.0 - clip_low,
+            ratio_high=1.0 + clip_high,
+            dual_clip=dual_clip,
+        )
+        pg_loss = jnp.sum(w * pg_BT)
+        if kl_coef > 0.0:
+            ref = require(batch, "ref_logprobs", where)
+            kl_BT = kl_penalty(lp, ref, valid, estimator=kl_estimator, max_log_ratio=max_log_ratio)
+            kl_loss = kl_coef * jnp.sum(w * kl_BT)
+            kl_metric = masked_mean(kl_BT, valid)
+        else:
+            kl_loss = jnp.zeros((), pg_loss.dtype)
+            kl_metric = jnp.zeros((), pg_loss.dtype)
+        loss = pg_loss + kl_loss
+
+        ratio = jax.lax.stop_gradient(jnp.exp(log_ratio))
+        clipped_low = valid & (adv < 0) & (ratio < 1.0 - clip_low)
+        clipped_high = valid & (adv > 0) & (ratio > 1.0 + clip_high)
+        if dual_clip is not None:
+            dual = valid & (adv < 0) & (ratio > dual_clip)
+        else:
+            dual = jnp.zeros_like(valid)
+        metrics = {
+            "loss": jax.lax.stop_gradient(loss),
+            "pg_loss": jax.lax.stop_gradient(pg_loss),
+            "kl_loss": jax.lax.stop_gradient(kl_loss),
+            "kl": kl_metric,
+            "clip_frac_low": masked_mean(clipped_low.astype(lp.dtype), valid),
+            "clip_frac_high": masked_mean(clipped_high.astype(lp.dtype), valid),
+            "dual_clip_frac": masked_mean(dual.astype(lp.dtype), valid),
+            "ratio_mean": masked_mean(ratio, valid),
+            "ratio_max": jnp.max(jnp.where(valid, ratio, 0.0)),
+            "adv_mean": masked_mean(adv, valid),
+            "num_tokens": jnp.sum(valid.astype(lp.dtype)),
+        }
+        return loss, metrics
+
+    return Term(name="grpo", fn=loss_fn, kind="grpo", config=config)

@@ -1,0 +1,68 @@
+"""Shared hypothesis strategies. Shapes come from a few fixed sizes so jit compiles stay few."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import losses
+
+SHAPES = [(1, 1), (2, 5), (4, 7)]
+f64 = np.float64
+
+
+def _arr(shape, lo, hi):
+    # Tiny magnitudes are mapped to 0: XLA flushes denormal products to zero on CPU.
+    elements = st.floats(lo, hi, allow_nan=False, allow_subnormal=False, width=64).map(
+        lambda x: 0.0 if abs(x) < 1e-30 else x
+    )
+    return hnp.arrays(f64, shape, elements=elements)
+
+
+@st.composite
+def batches(draw, shapes=SHAPES, token_advantages=None, with_obs=True, allow_empty=True):
+    """(logprobs[B, T], Batch) with disjoint masks, anchors near logprobs, random advantages."""
+    b, t = draw(st.sampled_from(shapes))
+    action = draw(hnp.arrays(np.bool_, (b, t)))
+    if with_obs:
+        obs = draw(hnp.arrays(np.bool_, (b, t))) & ~action
+    else:
+        obs = np.zeros((b, t), bool)
+    if not allow_empty and not action.any():
+        action[0, 0] = True
+        obs[0, 0] = False
+    lp = draw(_arr((b, t), -8.0, -1e-3))
+    old = np.minimum(lp + draw(_arr((b, t), -1.2, 1.2)), 0.0)
+    ref = np.minimum(lp + draw(_arr((b, t), -1.5, 1.5)), 0.0)
+    per_token = draw(st.booleans()) if token_advantages is None else token_advantages
+    adv = draw(_arr((b, t) if per_token else (b,), -3.0, 3.0))
+    weights = draw(_arr((b, t), -2.0, 2.0))
+    batch = losses.Batch(
+        action_mask=action.astype(f64),
+        obs_mask=obs.astype(f64),
+        advantages=adv,
+        sampling_logprobs=old,
+        ref_logprobs=ref,
+        weights=weights,
+    )
+    return lp, batch
+
+
+GRPO_CONFIGS = [
+    dict(),
+    dict(clip_low=0.2, clip_high=0.28, reduction="seq_mean_token_mean"),
+    dict(dual_clip=3.0, reduction="seq_mean_token_sum"),
+    dict(kl_coef=0.1, kl_estimator="k1", reduction="token_sum"),
+    dict(kl_coef=0.05, kl_estimator="k2", reduction="seq_mean_token_sum_norm", max_tokens=16),
+    dict(kl_coef=0.2, kl_estimator="k3", dual_clip=1.5, clip_low=0.1, clip_high=0.3),
+]
+ENV_CONFIGS = [
+    dict(),
+    dict(coef=1.0, normalization="token_mean"),
+    dict(coef=0.3, normalization="token_sum"),
+]
+SFT_CONFIGS = [
+    dict(reduction=r, max_tokens=8 if r == "seq_mean_token_sum_norm" else None)
+    for r in losses.REDUCTIONS
+]
