@@ -11,6 +11,7 @@ from losses._common import KL_ESTIMATORS
 from losses._env import ENV_NORMALIZATIONS, echo_env, echo_env_weights, observation_mask
 from losses._fold import fold
 from losses._grpo import grpo, ppo_clip_terms
+from losses._policy import cispo, dro, importance_sampling, policy_term, ppo
 from losses._reductions import REDUCTIONS, active_rows, reduction_weights, term_weights
 from losses._sft import sft_cross_entropy, weighted_cross_entropy
 from losses._split import row_slices, split_batch, with_normalizers
@@ -24,12 +25,17 @@ __all__ = [
     "REDUCTIONS",
     "active_rows",
     "check_batch",
+    "cispo",
+    "dro",
     "echo_env",
     "echo_env_weights",
     "fold",
     "group_advantages",
     "grpo",
+    "importance_sampling",
     "observation_mask",
+    "policy_term",
+    "ppo",
     "ppo_clip_terms",
     "reduction_weights",
     "row_slices",
