@@ -166,7 +166,7 @@ def collate_sft(
 
     Args:
       examples: non-empty list of examples; each prompt has ≥ 1 token (the first token of a
-        sequence is never a target).
+        sequence is never a target) and each example ≥ 2 tokens in all.
       pad_id: the padding token id.
 
     Returns:
@@ -185,6 +185,10 @@ def collate_sft(
         completion = np.asarray(ex[1], dtype=np.int64).reshape(-1)
         if len(prompt) < 1:
             raise ValueError(f"collate_sft: example {i} has an empty prompt (need ≥ 1 token)")
+        if len(prompt) + len(completion) < 2:
+            raise ValueError(
+                f"collate_sft: example {i} must contain at least two tokens (prompt + completion)"
+            )
         mask = np.ones(len(completion)) if len(ex) == 2 else np.asarray(ex[2], np.float64)
         if mask.shape != completion.shape:
             raise ValueError(
