@@ -1,5 +1,8 @@
 """foldloss `runner`: drive `losses` terms against a trainer (local JAX or Fireworks)."""
 
+from runner._client_loss import ClientLoss, PassCounter
+from runner._padding import normalizers
+from runner._step import MODES, Plan, StepRunner, plan_step
 from runner._types import (
     BUILTIN_LOSSES,
     NORMALIZATIONS,
@@ -13,6 +16,13 @@ from runner._types import (
 )
 
 __all__ = [
+    "MODES",
+    "ClientLoss",
+    "PassCounter",
+    "Plan",
+    "StepRunner",
+    "normalizers",
+    "plan_step",
     "BUILTIN_LOSSES",
     "NORMALIZATIONS",
     "AdamParams",

@@ -1,0 +1,178 @@
+"""The client-loss adapter: any `losses` term on any `Trainer`, without torch.
+
+This re-implements the SDK's ``forward_backward_custom`` (reference/fireworks-sdk.md §3.1, §3.4)
+with JAX:
+
+1. one ``forward`` for the current per-token logprobs (skipped when the caller passes a forward
+   it already ran at the current weights — the SDK's ``precomputed_forward``);
+2. pad to a ``(rows, length)`` bucket and run a jitted ``value_and_grad`` of the term (one
+   compilation per bucket);
+3. un-pad, and send ``weights = -dL/dlogprobs`` through the trainer's linear ``cross_entropy``
+   ``forward_backward``: the server computes ``Σ -p·w``, whose gradient is exactly ``dL/dθ``.
+
+The adapter reports the term's loss and metrics, never the surrogate's ``loss:sum``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import losses
+from runner._padding import (
+    DEFAULT_LENGTH_BUCKETS,
+    bucket,
+    normalizers,
+    row_bucket,
+    seqs_to_batch,
+    unpad,
+)
+from runner._types import Seq, Trainer, validate_seqs
+
+
+@dataclasses.dataclass
+class PassCounter:
+    """Trainer passes issued by the runner: ``forward()`` = 1F; ``forward_backward()`` = 1F + 1B."""
+
+    forwards: int = 0
+    backwards: int = 0
+
+    def forward(self) -> None:
+        self.forwards += 1
+
+    def forward_backward(self) -> None:
+        self.forwards += 1
+        self.backwards += 1
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"passes/forwards": float(self.forwards), "passes/backwards": float(self.backwards)}
+
+
+def _to_float(metrics: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+class ClientLoss:
+    """Evaluates a `losses` term on ragged trainer logprobs and returns per-sequence gradients.
+
+    Args:
+      term: any ``(logprobs[B, T], batch) -> (loss, metrics)`` term (e.g. a `losses.fold`).
+      length_buckets: padded lengths (T); each distinct bucket compiles once.
+      dtype: the float dtype of the padded batch (``np.float64`` needs jax x64 enabled).
+
+    Attributes:
+      compile_count: how many times the jitted loss was traced (one per new bucket shape).
+    """
+
+    def __init__(
+        self,
+        term: Any,
+        *,
+        length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+        dtype: Any = np.float32,
+    ) -> None:
+        if not callable(term):
+            raise ValueError(f"ClientLoss: term must be callable, got {term!r}")
+        self.term = term
+        self.length_buckets = tuple(sorted(length_buckets))
+        self.dtype = dtype
+        self.compile_count = 0
+        self._lock = threading.Lock()
+
+        def traced(lp_BT, batch):
+            self.compile_count += 1  # runs at trace time only: counts compilations
+            return term(lp_BT, batch)
+
+        self._value_and_grad = jax.jit(jax.value_and_grad(traced, has_aux=True))
+
+    def shapes(self, seqs: Sequence[Seq]) -> tuple[int, int]:
+        """The ``(rows, length)`` bucket the sequences pad to."""
+        longest = max(s.num_targets for s in seqs)
+        return row_bucket(len(seqs)), bucket(longest, self.length_buckets)
+
+    def batch(self, seqs: Sequence[Seq], norms: Mapping[str, float] | None = None) -> losses.Batch:
+        """The padded `losses.Batch` of ``seqs`` (normalizers default to the seqs' own)."""
+        rows, length = self.shapes(seqs)
+        norms = normalizers(seqs) if norms is None else norms
+        return seqs_to_batch(seqs, length=length, rows=rows, norms=norms, dtype=self.dtype)
+
+    def value_and_grads(
+        self,
+        logprobs: Sequence[np.ndarray],
+        seqs: Sequence[Seq],
+        norms: Mapping[str, float] | None = None,
+    ) -> tuple[float, dict[str, float], list[np.ndarray]]:
+        """``(loss, metrics, [dL/dlogprobs per sequence])`` from ragged logprobs (client side only).
+
+        Args:
+          logprobs: per-sequence trainer logprobs, ``len(seqs[i].tokens) - 1`` each.
+          seqs: the sequences with the term's per-token inputs (``action_mask``, ...).
+          norms: the optimizer batch's normalizers (`runner._padding.normalizers`) when ``seqs``
+            is one micro-batch of a larger step; default = this batch's own.
+
+        Returns:
+          The term's loss, its metrics as floats, and the per-sequence gradients (float64 numpy).
+        """
+        if len(logprobs) != len(seqs):
+            raise ValueError(f"got {len(logprobs)} logprob arrays for {len(seqs)} sequences")
+        lengths = []
+        for i, (lp, s) in enumerate(zip(logprobs, seqs, strict=True)):
+            lp = np.asarray(lp)
+            if lp.shape != (s.num_targets,):
+                raise ValueError(
+                    f"sequence {i}: logprobs have shape {lp.shape}, expected ({s.num_targets},)"
+                )
+            lengths.append(s.num_targets)
+        batch = self.batch(seqs, norms)
+        rows, length = batch.shape
+        lp_BT = np.zeros((rows, length), dtype=self.dtype)
+        for i, lp in enumerate(logprobs):
+            lp_BT[i, : lengths[i]] = lp
+        with self._lock:
+            (value, metrics), grad = self._value_and_grad(lp_BT, batch)
+        grads = unpad(np.asarray(grad, dtype=np.float64), lengths)
+        return float(value), _to_float(metrics), grads
+
+    def __call__(
+        self,
+        trainer: Trainer,
+        seqs: Sequence[Seq],
+        *,
+        forward: Sequence[np.ndarray] | None = None,
+        norms: Mapping[str, float] | None = None,
+        counter: PassCounter | None = None,
+    ) -> tuple[float, dict[str, float]]:
+        """One fused client pass: forward (unless given) → JAX gradient → linear CE backward.
+
+        Args:
+          trainer: any `Trainer`.
+          seqs: sequences carrying the term's per-token inputs.
+          forward: per-sequence logprobs already computed at the *current* weights for exactly
+            these sequences in this order (no ``optim_step``/``load_state`` since); skips the
+            forward pass.
+          norms: normalizers of the whole optimizer batch (for micro-batches).
+          counter: a `PassCounter` to record the trainer passes.
+
+        Returns:
+          ``(loss, metrics)`` of the term (never the surrogate's ``loss:sum``).
+        """
+        validate_seqs(seqs, required=("action_mask",))
+        counter = counter if counter is not None else PassCounter()
+        if forward is None:
+            forward = trainer.forward([s.with_inputs() for s in seqs])
+            counter.forward()
+        elif len(forward) != len(seqs):
+            raise ValueError(
+                f"precomputed forward has {len(forward)} entries for {len(seqs)} sequences"
+            )
+        value, metrics, grads = self.value_and_grads(forward, seqs, norms)
+        linear = [s.with_inputs(weights=-g) for s, g in zip(seqs, grads, strict=True)]
+        result = trainer.forward_backward(linear, "cross_entropy")
+        counter.forward_backward()
+        metrics["surrogate_loss"] = float(result.metrics.get("loss:sum", float("nan")))
+        return value, metrics
