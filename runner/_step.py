@@ -265,7 +265,7 @@ class StepRunner:
         else:  # a backend that returns no per-token logprobs: the kernel's loss is the term's
             value, metrics = server_loss, {}
         metrics["server_loss"] = server_loss
-        for name, aux in plan.aux:
+        for _name, aux in plan.aux:
             w = _aux_weights(aux, batch)
             ce = [s.with_inputs(weights=w[i, : s.num_targets]) for i, s in enumerate(chunk)]
             trainer.forward_backward(ce, "cross_entropy")
