@@ -124,7 +124,7 @@ def test_evaluate_errors(expr, body):
 
 
 @given(
-    operands=st.lists(st.integers(0, 999), min_size=1, max_size=5),
+    operands=st.lists(st.integers(0, 99), min_size=1, max_size=5),  # 99**5 < 10**12
     data=st.data(),
 )
 def test_evaluate_matches_python_arithmetic(operands, data):
