@@ -596,6 +596,26 @@ def test_rollout_turn_token_limit_ends_the_episode():
     assert traj.actions == ["ans 1"]
 
 
+def test_rollout_context_limit():
+    env = CalcEnv(max_operand=99, num_ops=2)
+    sampler = FakeSampler(expert_policy)
+    # prompt 11 tokens + "calc 48*2\n" (10) + "= 96\n" (5) = 26; the next turn needs 26 + 16 - 1
+    [[traj]] = rollout(sampler, env, [P], group_size=1, max_tokens_per_turn=16, max_seq_len=40)
+    assert traj.outcome == "context_limit" and traj.reward == 0.0 and traj.done
+    assert traj.text == "<bos>Q: 48*2+7\ncalc 48*2\n"  # the trailing observation is dropped
+    assert trajectory_to_seq(traj).num_targets <= 40
+    [[traj]] = rollout(sampler, env, [P], group_size=1, max_tokens_per_turn=16, max_seq_len=41)
+    assert traj.num_turns == 2 and traj.outcome == "context_limit"
+    [[a, b]] = rollout(sampler, env, [P], group_size=2, max_tokens_per_turn=16, max_seq_len=25)
+    assert a.num_turns == b.num_turns == 0 and a.outcome == "context_limit"
+    [[traj]] = rollout(sampler, env, [P], group_size=1, max_tokens_per_turn=16, max_seq_len=99)
+    assert traj.outcome == "correct"
+    with pytest.raises(ValueError, match="cannot terminate"):
+        traj.terminate("context_limit")
+    with pytest.raises(ValueError, match="max_seq_len"):
+        rollout(sampler, env, [P], group_size=1, max_tokens_per_turn=16, max_seq_len=0)
+
+
 def test_rollout_argument_and_sampler_errors():
     env = CalcEnv()
     assert rollout(FakeSampler(random_policy), env, [], group_size=2, max_tokens_per_turn=4) == []

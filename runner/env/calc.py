@@ -14,7 +14,8 @@ Text protocol (character-level, `runner.env.tokenizer`):
   of the action text alone, hence of the history: predicting it is learnable.
 * **End**: the episode ends after an answer line (``ans``/``ans ...``), after a turn that does not
   end in a newline (EOS or the per-turn token limit), or after ``max_turns`` actions; no
-  observation follows the last action. Reward 1.0 iff the answer line is exactly
+  observation follows the last action (`rollout` may also end an episode that would outgrow the
+  trainer's ``max_seq_len``: outcome ``context_limit``). Reward 1.0 iff the answer line is exactly
   ``ans <int>\\n`` (``-?(0|[1-9][0-9]*)``) and the integer is the problem's value, else 0.0.
 
 Example trajectory for ``48*2+7``, with its target-aligned masks (``A`` = ``action_mask``,
@@ -65,6 +66,7 @@ WRONG_ANSWER = "wrong_answer"
 MALFORMED_ANSWER = "malformed_answer"
 MAX_TURNS = "max_turns"
 UNTERMINATED = "unterminated"  # the turn ended without a newline (EOS or token limit)
+CONTEXT_LIMIT = "context_limit"  # `rollout`: the next turn would not fit in max_seq_len
 
 
 class CalcError(ValueError):
@@ -451,6 +453,18 @@ class Trajectory:
         self.done, self.reward, self.outcome = result.done, result.reward, result.outcome
         return result
 
+    def terminate(self, outcome: str) -> None:
+        """Ends the episode from outside the environment (reward 0.0), e.g. at a context limit.
+
+        A trailing observation is dropped: no policy turn will condition on it, and without it
+        the trajectory is no longer than its last policy context plus that turn.
+        """
+        if self.done:
+            raise ValueError(f"episode is over ({self.outcome}); cannot terminate it again")
+        if self.segments[-1].kind == "observation":
+            self.segments.pop()
+        self.done, self.reward, self.outcome = True, 0.0, outcome
+
     def __repr__(self) -> str:
         return f"Trajectory({self.text!r}, reward={self.reward}, outcome={self.outcome!r})"
 
@@ -575,6 +589,7 @@ def rollout(
     max_tokens_per_turn: int,
     temperature: float = 1.0,
     seed: int = 0,
+    max_seq_len: int | None = None,
 ) -> list[list[Trajectory]]:
     """Runs ``group_size`` multi-turn episodes per problem against a sampler.
 
@@ -582,7 +597,10 @@ def rollout(
     turn samples one continuation of every unfinished trajectory (its full token sequence so far)
     in one call. Each turn stops at a newline or EOS (``stop_token_ids=STOP_TOKEN_IDS``) or after
     ``max_tokens_per_turn`` tokens; a sample that runs past its first stop token is cut there.
-    Turn ``t`` samples with a seed derived from ``(seed, t)``.
+    Turn ``t`` samples with a seed derived from ``(seed, t)``. With ``max_seq_len``, an episode
+    whose next turn might not fit (``len(tokens) + max_tokens_per_turn - 1 > max_seq_len``, the
+    trainer's model-input limit) ends with outcome ``"context_limit"`` and reward 0, without its
+    trailing observation, so every returned trajectory fits ``max_seq_len``.
 
     Args:
       trainer: any object with the `runner.Trainer` ``sample`` method.
@@ -592,6 +610,7 @@ def rollout(
       max_tokens_per_turn: token limit of one policy turn (≥ 1).
       temperature: sampling temperature.
       seed: base sampling seed.
+      max_seq_len: optional model-input length limit (see above).
 
     Returns:
       ``groups[i][k]``: finished `Trajectory` k of problem i (``.reward``, ``.outcome``).
@@ -602,14 +621,21 @@ def rollout(
         raise ValueError(
             f"rollout: max_tokens_per_turn must be an int ≥ 1, got {max_tokens_per_turn!r}"
         )
+    if max_seq_len is not None and not (isinstance(max_seq_len, int) and max_seq_len >= 1):
+        raise ValueError(f"rollout: max_seq_len must be None or an int ≥ 1, got {max_seq_len!r}")
     groups = [[Trajectory(env, p) for _ in range(group_size)] for p in problems]
-    if not groups:
-        return []
     turn = 0
     active = [t for g in groups for t in g]
-    while active:
-        if turn == 0:
-            prompts = [g[0].tokens.tolist() for g in groups]
+    while True:
+        if max_seq_len is not None:
+            for t in active:
+                if len(t.tokens) + max_tokens_per_turn - 1 > max_seq_len:
+                    t.terminate(CONTEXT_LIMIT)
+            active = [t for t in active if not t.done]
+        if not active:
+            break
+        if turn == 0:  # one call with group_size samples per prompt (groups share the prompt)
+            prompts = [g[0].tokens.tolist() for g in groups if not g[0].done]
             n = group_size
         else:
             prompts = [t.tokens.tolist() for t in active]
