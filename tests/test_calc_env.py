@@ -630,3 +630,27 @@ def test_rollout_argument_and_sampler_errors():
 
     with pytest.raises(ValueError, match="sample\\(\\) returned"):
         rollout(Short(random_policy), env, [P, P], group_size=1, max_tokens_per_turn=4)
+
+
+def test_rollout_smoke_against_the_local_trainer():
+    """The real sampler: masks stay exact and sampling logprobs equal forward() at temperature 1."""
+    local = pytest.importorskip("runner.local")
+    trainer = local.LocalTrainer(
+        local.LocalTrainerConfig(
+            vocab_size=tok.VOCAB_SIZE, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64
+        )
+    )
+    env = CalcEnv(seed=0, max_operand=9, num_ops=1, max_turns=3)
+    kwargs = dict(group_size=3, max_tokens_per_turn=24, temperature=1.0, seed=4, max_seq_len=64)
+    groups = rollout(trainer, env, env.problems(0, 2), **kwargs)
+    trajs = [t for g in groups for t in g]
+    assert len(trajs) == 6 and all(t.done and t.reward in (0.0, 1.0) for t in trajs)
+    seqs = [trajectory_to_seq(t) for t in trajs]
+    for traj, seq in zip(trajs, seqs, strict=True):
+        check_seq_masks(traj, seq)
+        assert seq.num_targets <= 64
+    for seq, lp in zip(seqs, trainer.forward(seqs), strict=True):
+        act = seq.inputs["action_mask"] > 0
+        np.testing.assert_allclose(lp[act], seq.inputs["sampling_logprobs"][act], atol=1e-4)
+    again = rollout(trainer, env, env.problems(0, 2), **kwargs)
+    assert [t.text for g in again for t in g] == [t.text for t in trajs]
