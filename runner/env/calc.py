@@ -336,7 +336,15 @@ class CalcEnv:
 
 
 def tool_output(line: str) -> str:
-    """The observation body for a non-answer action line (without its newline)."""
+    """The observation body for a non-answer action line — a pure function of the line.
+
+    Args:
+      line: the action text without its final newline.
+
+    Returns:
+      the result of ``calc <expr>`` as a decimal integer, or an error body (`ERR_EXPRESSION`,
+      `ERR_TOO_LARGE`, `ERR_COMMAND` for anything that is not a ``calc`` call).
+    """
     if line.startswith("calc "):
         try:
             return str(evaluate(line[len("calc ") :]))
@@ -529,7 +537,15 @@ def expert_actions(problem: Problem, max_turns: int | None = None) -> list[str]:
 
 
 def expert_trajectory(env: CalcEnv, problem: Problem) -> Trajectory:
-    """The expert's finished trajectory (logprobs 0); its reward is always 1.0."""
+    """The expert's finished trajectory (`expert_actions` played through the environment).
+
+    Args:
+      env: the environment (its ``max_turns`` shapes the script).
+      problem: the problem.
+
+    Returns:
+      a finished `Trajectory` with reward 1.0 and zero logprobs.
+    """
     traj = Trajectory(env, problem)
     for line in expert_actions(problem, env.max_turns):
         traj.add_action(tok.encode(line))
@@ -541,9 +557,16 @@ def expert_sft_example(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """An SFT demonstration for `runner.sft.collate_sft`: ``(prompt, completion, mask)``.
 
-    ``completion`` is the expert's actions and observations after the prompt; ``mask`` (float,
-    one per completion token) is 1.0 on action tokens (``supervise="actions"``), on action and
-    observation-body tokens (``"actions+obs"``), or on every completion token (``"all"``).
+    Args:
+      env: the environment.
+      problem: the problem.
+      supervise: which completion tokens get weight: ``"actions"`` (default; the policy's
+        tokens), ``"actions+obs"`` (plus observation bodies, an ECHO-style world-model target),
+        or ``"all"`` (every completion token, wrappers included).
+
+    Returns:
+      ``(prompt int64[P], completion int64[C], mask float64[C])``: the expert's actions and
+      observations after the prompt, and 0/1 weights.
     """
     choices = ("actions", "actions+obs", "all")
     if supervise not in choices:
