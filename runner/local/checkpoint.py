@@ -1,0 +1,255 @@
+"""Atomic checkpoints of the local trainer: resumable state (orbax) and sampler weights (safetensors).
+
+Layout under ``checkpoint_dir``::
+
+    state/<name>/CURRENT            # "v-<hex>": the complete version; replaced atomically, last
+    state/<name>/v-<hex>/meta.json  # format, step, model config, parameter shapes
+    state/<name>/v-<hex>/tree/      # orbax-checkpoint pytree {"params", "opt_state"}
+    sampler/<name>.safetensors      # inference weights only, per-layer names
+
+Atomicity. A resumable save writes a fresh ``tmp-<hex>`` directory beside the versions, renames
+it to ``v-<hex>`` (a rename of a new directory), then points ``CURRENT`` at it with
+``os.replace`` of a temporary file, and only then deletes the older versions. A crash (or an
+exception) at any point before the ``CURRENT`` replace leaves the previous checkpoint of the
+same name — and every other checkpoint — loadable; leftovers are ignored and swept by the next
+save of that name. A sampler save writes ``.<name>.safetensors.tmp-<hex>`` and ``os.replace``-s
+it onto the final name. Files are fsynced before each rename.
+
+Names are ``[A-Za-z0-9][A-Za-z0-9._-]*`` (at most 128 characters), so a name never escapes the
+checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+STATE_KIND = "foldloss.local.state"
+SAMPLER_KIND = "foldloss.local.sampler"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_CURRENT = "CURRENT"
+
+
+def check_name(name: Any) -> str:
+    """Validates a checkpoint name (raises ``ValueError``)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name.endswith(".safetensors"):
+        raise ValueError(
+            f"invalid checkpoint name {name!r}: use letters, digits, '.', '_', '-' (starting with "
+            "a letter or digit, at most 128 characters)"
+        )
+    return name
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# -- resumable state ----------------------------------------------------------------------------
+
+
+def write_tree(directory: Path, tree: Any) -> None:
+    """Writes a pytree of arrays with orbax-checkpoint into ``directory`` (which must not exist).
+
+    Module-level so tests can monkeypatch it to simulate a crash mid-write.
+    """
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        ckptr.save(directory.absolute(), tree)
+        ckptr.wait_until_finished()
+    finally:
+        ckptr.close()
+
+
+def read_tree(directory: Path, target: Any) -> Any:
+    """Restores a pytree written by `write_tree` into the structure/shardings of ``target``."""
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        return ckptr.restore(directory.absolute(), target)
+    finally:
+        ckptr.close()
+
+
+def save_state(root: Path, name: str, tree: Any, meta: Mapping[str, Any]) -> str:
+    """Atomically saves resumable state under ``root/state/<name>``; returns that path."""
+    check_name(name)
+    base = Path(root) / "state" / name
+    base.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex[:16]
+    tmp = base / f"tmp-{token}"
+    tmp.mkdir()
+    try:
+        write_tree(tmp / "tree", tree)
+        meta = dict(meta, format_version=FORMAT_VERSION, kind=STATE_KIND, name=name)
+        meta["saved_at_ns"] = time.time_ns()
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(meta, f, sort_keys=True, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        version = base / f"v-{token}"
+        os.replace(tmp, version)
+        _fsync_dir(base)
+        _write_text_atomic(base / _CURRENT, version.name + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in base.iterdir():  # sweep older versions and leftovers of interrupted saves
+        if old.is_dir() and old.name != version.name:
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.name.startswith(f".{_CURRENT}.tmp-"):
+            old.unlink(missing_ok=True)
+    return str(base)
+
+
+def _current_version(base: Path) -> Path | None:
+    try:
+        version = (base / _CURRENT).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    path = base / version
+    if not version.startswith("v-") or not (path / "meta.json").is_file():
+        return None
+    return path
+
+
+def list_states(root: Path | None) -> list[str]:
+    """Names of complete resumable checkpoints under ``root``, oldest save first."""
+    if root is None:
+        return []
+    states = Path(root) / "state"
+    if not states.is_dir():
+        return []
+    found = []
+    for base in states.iterdir():
+        version = _current_version(base) if _NAME_RE.match(base.name) else None
+        if version is not None:
+            meta = json.loads((version / "meta.json").read_text())
+            found.append((meta.get("saved_at_ns", 0), base.name))
+    return [name for _, name in sorted(found)]
+
+
+def resolve_state(root: Path | None, ref: Any) -> Path:
+    """The complete version directory of a state reference (a name or a path from `save_state`).
+
+    Raises:
+      FileNotFoundError: no complete checkpoint at ``ref`` (the message lists the known names).
+    """
+    if not isinstance(ref, str | os.PathLike) or not str(ref):
+        raise ValueError(f"checkpoint reference must be a non-empty string, got {ref!r}")
+    candidates = []
+    if isinstance(ref, str) and _NAME_RE.match(ref) and root is not None:
+        candidates.append(Path(root) / "state" / ref)
+    candidates.append(Path(ref))
+    for base in candidates:
+        version = _current_version(base)
+        if version is not None:
+            return version
+    known = list_states(root)
+    raise FileNotFoundError(
+        f"no complete resumable checkpoint at {str(ref)!r} (checkpoint_dir={root}); "
+        f"known checkpoints: {known}"
+    )
+
+
+def read_meta(version: Path) -> dict:
+    meta = json.loads((version / "meta.json").read_text())
+    if meta.get("format_version") != FORMAT_VERSION or meta.get("kind") != STATE_KIND:
+        raise ValueError(
+            f"{version}: not a {STATE_KIND} checkpoint of format {FORMAT_VERSION} "
+            f"(kind={meta.get('kind')!r}, format_version={meta.get('format_version')!r})"
+        )
+    return meta
+
+
+# -- sampler weights ----------------------------------------------------------------------------
+
+
+def save_weights(root: Path, name: str, tensors: Mapping[str, np.ndarray], meta: Mapping) -> str:
+    """Atomically writes ``root/sampler/<name>.safetensors``; returns its path."""
+    from safetensors.numpy import save_file
+
+    check_name(name)
+    directory = Path(root) / "sampler"
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{name}.safetensors"
+    tmp = directory / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+    metadata = {"format": SAMPLER_KIND, "format_version": str(FORMAT_VERSION)}
+    metadata.update({k: json.dumps(v, sort_keys=True) for k, v in meta.items()})
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
+        _fsync_file(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return str(final)
+
+
+def resolve_weights(root: Path | None, ref: Any) -> Path:
+    """A sampler-weights path from a path or a name under ``root/sampler``."""
+    if not isinstance(ref, str | os.PathLike) or not str(ref):
+        raise ValueError(f"weights reference must be a non-empty string, got {ref!r}")
+    path = Path(ref)
+    if path.is_file():
+        return path
+    if isinstance(ref, str) and _NAME_RE.match(ref) and root is not None:
+        named = Path(root) / "sampler" / f"{ref}.safetensors"
+        if named.is_file():
+            return named
+    raise FileNotFoundError(f"no sampler weights at {str(ref)!r} (checkpoint_dir={root})")
+
+
+def load_weights(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Reads a sampler checkpoint: ``(tensors by name, metadata with JSON values decoded)``."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        raw_meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if raw_meta.get("format") != SAMPLER_KIND:
+        raise ValueError(f"{path}: not a {SAMPLER_KIND} safetensors file")
+    meta = {
+        k: (json.loads(v) if k not in ("format", "format_version") else v)
+        for k, v in raw_meta.items()
+    }
+    return tensors, meta

@@ -1,0 +1,193 @@
+"""Built-in kernels of the local trainer, delegated to `losses` terms with ``token_sum``.
+
+Each Fireworks/Tinker kernel name maps to a `losses` constructor; the trainer builds a padded
+`losses.Batch` with ``action_mask = 1`` on every real target position of every sequence (0 on
+padding), so ``reduction="token_sum"`` is exactly the kernel's raw sum over all target tokens of
+all sequences (reference/fireworks-sdk.md §4):
+
+=======================  ==============================  =========================================
+kernel                   Seq inputs (length N-1)         ``loss_fn_config`` keys (defaults)
+=======================  ==============================  =========================================
+``cross_entropy``        ``weights`` (any sign)          —
+``importance_sampling``  ``logprobs`` (q), ``advantages``  ``ratio_log_cap`` (20)
+``ppo``                  ``logprobs``, ``advantages``    ``clip_low_threshold`` (0.8),
+                                                         ``clip_high_threshold`` (1.2),
+                                                         ``ratio_log_cap`` (20)
+``cispo``                ``logprobs``, ``advantages``    ``clip_low_threshold`` (0.0),
+                                                         ``clip_high_threshold`` (4.0),
+                                                         ``ratio_log_cap`` (20)
+``dro``                  ``logprobs``, ``advantages``    ``beta`` (0.05)
+=======================  ==============================  =========================================
+
+Every kernel also accepts an optional ``target_tokens`` input, which must equal the sequence's
+own targets ``tokens[1:]``. ``ratio_log_cap`` is the clamp of ``p - q`` before ``exp`` (the terms'
+``max_log_ratio``); DRO has no ratio, so it does not take the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+import losses
+from runner._types import BUILTIN_LOSSES, Seq
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A built-in kernel: its inputs, config keys with defaults, and its `losses` term builder."""
+
+    name: str
+    inputs: tuple[str, ...]
+    defaults: Mapping[str, float]
+    build: Callable[..., losses.Term]
+
+
+def _policy(ctor):
+    def build(*, ratio_log_cap: float = 20.0, **cfg):
+        return ctor(reduction="token_sum", max_log_ratio=ratio_log_cap, **cfg)
+
+    return build
+
+
+KERNELS: dict[str, Kernel] = {
+    "cross_entropy": Kernel(
+        "cross_entropy", ("weights",), {}, lambda: losses.weighted_cross_entropy()
+    ),
+    "importance_sampling": Kernel(
+        "importance_sampling",
+        ("logprobs", "advantages"),
+        {"ratio_log_cap": 20.0},
+        _policy(losses.importance_sampling),
+    ),
+    "ppo": Kernel(
+        "ppo",
+        ("logprobs", "advantages"),
+        {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "ratio_log_cap": 20.0},
+        _policy(losses.ppo),
+    ),
+    "cispo": Kernel(
+        "cispo",
+        ("logprobs", "advantages"),
+        {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0, "ratio_log_cap": 20.0},
+        _policy(losses.cispo),
+    ),
+    "dro": Kernel(
+        "dro",
+        ("logprobs", "advantages"),
+        {"beta": 0.05},
+        lambda *, beta: losses.dro(beta=beta, reduction="token_sum"),
+    ),
+}
+assert tuple(KERNELS) == BUILTIN_LOSSES
+
+#: Metric reductions (Fireworks ``name:reduction`` keys) of the terms' metrics; default ``mean``.
+_METRIC_REDUCTION = {
+    "loss": "sum",
+    "num_tokens": "sum",
+    "num_weighted_tokens": "sum",
+    "weight_sum": "sum",
+    "ratio_max": "max",
+}
+#: Largest anchor logprob accepted (float32 log-softmax may round a hair above 0).
+MAX_ANCHOR_LOGPROB = 1e-4
+
+
+def resolve(loss_name: str, config: Mapping[str, Any] | None) -> tuple[Kernel, tuple]:
+    """Validates a kernel name and its config; returns the kernel and the full frozen config.
+
+    Raises:
+      ValueError: unknown kernel, unknown config key, or a non-numeric / non-finite value. Value
+        ranges are checked by the `losses` constructor (eagerly, naming the key).
+    """
+    if not isinstance(loss_name, str) or loss_name not in KERNELS:
+        raise ValueError(f"unknown loss {loss_name!r}; expected one of {BUILTIN_LOSSES}")
+    kernel = KERNELS[loss_name]
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(kernel.defaults))
+    if unknown:
+        allowed = tuple(kernel.defaults) or "none"
+        raise ValueError(
+            f"{loss_name}: unknown loss_fn_config key(s) {unknown}; allowed keys: {allowed}"
+        )
+    full = dict(kernel.defaults)
+    for key, value in config.items():
+        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+            raise ValueError(f"{loss_name}: config '{key}' must be a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{loss_name}: config '{key}' must be finite, got {value!r}")
+        full[key] = value
+    if "ratio_log_cap" in full and not full["ratio_log_cap"] > 0:
+        raise ValueError(
+            f"{loss_name}: config 'ratio_log_cap' must be > 0, got {full['ratio_log_cap']}"
+        )
+    frozen = tuple(sorted(full.items()))
+    kernel.build(**full)  # eager range validation by the losses constructor
+    return kernel, frozen
+
+
+def check_inputs(kernel: Kernel, seqs: Sequence[Seq]) -> None:
+    """Kernel-specific input checks (after `runner.validate_seqs`); raises ``ValueError``.
+
+    Rules: only the kernel's inputs (and ``target_tokens``) may be present; ``target_tokens``
+    must equal ``tokens[1:]``; anchor ``logprobs`` must be ``≤ 0`` (up to `MAX_ANCHOR_LOGPROB`).
+    """
+    allowed = set(kernel.inputs) | {"target_tokens"}
+    for i, seq in enumerate(seqs):
+        extra = sorted(set(seq.inputs) - allowed)
+        if extra:
+            raise ValueError(
+                f"sequence {i}: field '{extra[0]}' is not an input of kernel '{kernel.name}' "
+                f"(inputs: {sorted(allowed)})"
+            )
+        if "target_tokens" in seq.inputs:
+            tt = np.asarray(seq.inputs["target_tokens"])
+            if not np.array_equal(tt, seq.tokens[1:]):
+                t = int(np.argmax(tt != seq.tokens[1:]))
+                raise ValueError(
+                    f"sequence {i}: field 'target_tokens' differs from tokens[1:] at target {t} "
+                    f"({tt[t]!r} != {int(seq.tokens[t + 1])})"
+                )
+        if "logprobs" in kernel.inputs:
+            q = np.asarray(seq.inputs["logprobs"])
+            if (q > MAX_ANCHOR_LOGPROB).any():
+                t = int(np.argmax(q > MAX_ANCHOR_LOGPROB))
+                raise ValueError(
+                    f"sequence {i}: field 'logprobs' has a positive logprob {float(q[t])} at "
+                    f"target {t}"
+                )
+
+
+def build_batch(kernel: Kernel, seqs: Sequence[Seq], rows: int, width: int, dtype) -> dict:
+    """Host-side padded arrays for `losses.Batch` (``[rows, width]``, model dtype).
+
+    ``action_mask`` is 1 on every real target of every sequence; ``weights`` (cross_entropy) or
+    ``advantages`` and ``sampling_logprobs`` (RL kernels) are the Seq inputs, 0 on padding.
+    """
+    mask = np.zeros((rows, width), dtype)
+    arrays = {name: np.zeros((rows, width), dtype) for name in kernel.inputs}
+    for i, seq in enumerate(seqs):
+        n = seq.num_targets
+        mask[i, :n] = 1
+        for name in kernel.inputs:
+            arrays[name][i, :n] = seq.inputs[name]
+    fields = {"action_mask": mask}
+    if kernel.name == "cross_entropy":
+        fields["weights"] = arrays["weights"]
+    else:
+        fields["advantages"] = arrays["advantages"]
+        fields["sampling_logprobs"] = arrays["logprobs"]
+    return fields
+
+
+def server_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Term metrics as Fireworks-style ``name:reduction`` keys (``loss`` → ``loss:sum``)."""
+    out = {}
+    for key, value in metrics.items():
+        out[f"{key}:{_METRIC_REDUCTION.get(key, 'mean')}"] = float(value)
+    return out

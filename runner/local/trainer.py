@@ -1,0 +1,686 @@
+"""`LocalTrainer`: the embedded default `runner.Trainer` (a small JAX transformer + optax AdamW).
+
+Semantics follow the Fireworks training client (reference/fireworks-sdk.md §4-§5,
+reference/sft-translation.md §6): built-in kernels are raw token sums over every target of every
+sequence; the parameter gradient accumulates (sums) across ``forward_backward`` calls until
+``optim_step``, which normalizes (optionally), clips the global norm, takes one AdamW step and
+resets the accumulator.
+
+Shapes are bucketed so that jit compiles once per bucket, not per call: the target length is
+padded to a power of two ≥ 16 (capped at ``max_seq_len``) and the row count to a power-of-two
+multiple of the device count (≥ `LocalTrainer.MIN_ROWS`). Padded rows and positions are masked
+out exactly (their logprobs are 0, their kernel weights 0).
+
+Data parallelism: a 1-D `jax.sharding.Mesh` over ``jax.devices()`` (axis ``"data"``); padded
+batch rows are sharded over it, parameters, optimizer state and the gradient accumulator are
+replicated, and XLA inserts the cross-device gradient sum. One or several devices give the same
+logprobs and gradients up to floating-point reduction order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import losses
+from runner._types import (
+    NORMALIZATIONS,
+    AdamParams,
+    ForwardBackwardResult,
+    Sample,
+    Seq,
+    validate_seqs,
+)
+from runner.local import checkpoint, kernels, model, sampling
+from runner.local.model import LocalTrainerConfig, Params
+
+MIN_LEN_BUCKET = 16
+_ARCH_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_ff",
+    "max_seq_len",
+    "tie_embeddings",
+    "dtype",
+)
+
+
+def length_bucket(n: int, max_len: int) -> int:
+    """Smallest power of two ``≥ max(n, 16)``, capped at ``max_len`` (``n ≤ max_len``)."""
+    b = MIN_LEN_BUCKET
+    while b < n:
+        b *= 2
+    return min(b, max_len)
+
+
+def row_bucket(n: int, num_devices: int, min_rows: int) -> int:
+    """Padded row count: ``num_devices·2^k ≥ max(n, min_rows)``."""
+    b = num_devices * max(1, -(-min_rows // num_devices))
+    b = num_devices if b < num_devices else b
+    while b < n:
+        b *= 2
+    return b
+
+
+def _x64_enabled() -> bool:
+    return jnp.zeros((), jnp.float64).dtype == jnp.float64
+
+
+#: Process-wide count of traces of each jitted trainer function (a compile-count guard). The
+#: jitted functions are shared by every trainer with the same heads/dtype/mesh, so a second
+#: trainer of the same shape compiles nothing.
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+
+
+def _make_optimizer(dtype: Any) -> optax.GradientTransformation:
+    return optax.inject_hyperparams(optax.adamw, hyperparam_dtype=dtype)(
+        learning_rate=1e-4, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0
+    )
+
+
+@functools.cache
+def _forward_jit(n_heads: int, rows: NamedSharding):
+    def forward(params, tokens, lengths):
+        TRACE_COUNTS["forward"] += 1
+        return model.token_logprobs(params, tokens, lengths, n_heads=n_heads)
+
+    return jax.jit(forward, out_shardings=rows)
+
+
+@functools.cache
+def _forward_backward_jit(
+    n_heads: int, kernel_name: str, frozen: tuple, rows: NamedSharding, rep: NamedSharding
+):
+    term = kernels.KERNELS[kernel_name].build(**dict(frozen))
+    trace_key = f"forward_backward:{kernel_name}"
+
+    def fb(params, acc, tokens, lengths, batch):
+        TRACE_COUNTS[trace_key] += 1
+        lp, pullback = jax.vjp(
+            lambda p: model.token_logprobs(p, tokens, lengths, n_heads=n_heads), params
+        )
+        (loss, metrics), g_lp = jax.value_and_grad(term.fn, has_aux=True)(lp, batch)
+        (grads,) = pullback(g_lp.astype(lp.dtype))
+        acc = jax.tree.map(jnp.add, acc, grads)
+        nonzero = (g_lp != 0) & (batch.action_mask > 0)
+        nz_B = jnp.sum(nonzero.astype(jnp.int32), axis=1)
+        return lp, loss, metrics, acc, nz_B
+
+    return jax.jit(fb, out_shardings=(rows, rep, rep, rep, rows))
+
+
+@functools.cache
+def _optim_step_jit(dtype_name: str, rep: NamedSharding):
+    tx = _make_optimizer(jnp.dtype(dtype_name))
+
+    def step(params, opt_state, grads, denom, clip, lr, b1, b2, eps, wd):
+        TRACE_COUNTS["optim_step"] += 1
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        norm = optax.global_norm(grads)
+        scale = jnp.where((clip > 0) & (norm > clip), clip / jnp.where(norm > 0, norm, 1), 1)
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        hp = dict(opt_state.hyperparams)
+        hp.update(learning_rate=lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
+        opt_state = opt_state._replace(hyperparams=hp)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, norm
+
+    return jax.jit(step, out_shardings=rep)
+
+
+@functools.cache
+def _init_jit(dtype_name: str, rep: NamedSharding):
+    tx = _make_optimizer(jnp.dtype(dtype_name))
+    return jax.jit(tx.init, out_shardings=rep), jax.jit(
+        lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=rep
+    )
+
+
+class LocalTrainer:
+    """Embedded decoder-only transformer trainer implementing the `runner.Trainer` protocol.
+
+    Args:
+      config: a `LocalTrainerConfig` (default: the character-level default config).
+      **overrides: fields replacing those of ``config``.
+
+    Attributes:
+      config: the `LocalTrainerConfig`.
+      params: the current parameter pytree (replicated over the mesh).
+      step: optimizer steps taken (restored by ``load_state(with_optimizer=True)``).
+      counters: ``{"forward", "backward", "optim_step", "sample"}`` pass counts
+        (``forward_backward`` counts one forward and one backward).
+      trace_counts: process-wide trace counts of the jitted functions (`TRACE_COUNTS`).
+      mesh: the data-parallel mesh over ``jax.devices()``.
+    """
+
+    #: Smallest padded row count of a forward/backward batch.
+    MIN_ROWS = 8
+
+    def __init__(self, config: LocalTrainerConfig | None = None, **overrides: Any) -> None:
+        cfg = config if config is not None else LocalTrainerConfig()
+        if overrides:
+            cfg = dataclasses.replace(cfg, **overrides)
+        if cfg.dtype == "float64" and not _x64_enabled():
+            raise ValueError(
+                "LocalTrainerConfig.dtype='float64' needs jax_enable_x64 "
+                "(jax.config.update('jax_enable_x64', True) before creating the trainer)"
+            )
+        self.config = cfg
+        self._dtype = cfg.jnp_dtype
+        self.mesh = Mesh(np.asarray(jax.devices()), ("data",))
+        self._rep = NamedSharding(self.mesh, P())
+        self._rows = NamedSharding(self.mesh, P("data"))
+        self._params = jax.device_put(model.init_params(cfg), self._rep)
+        init_fn, self._zeros_fn = _init_jit(cfg.dtype, self._rep)
+        self._opt_state = init_fn(self._params)
+        self.step = 0
+        self.counters = {"forward": 0, "backward": 0, "optim_step": 0, "sample": 0}
+        self.trace_counts = TRACE_COUNTS
+        self._grads: Params | None = None
+        self._num_loss_tokens = 0
+        self._num_sequences = 0
+
+    # -- model access -----------------------------------------------------------------------
+
+    @property
+    def params(self) -> Params:
+        """The current parameters (a dict pytree; see `runner.local.model.init_params`)."""
+        return self._params
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.mesh.devices.size)
+
+    def token_logprobs(self, params: Params, tokens_BT: Any, lengths_B: Any) -> jax.Array:
+        """Pure, differentiable target logprobs ``[B, T-1]`` (0 on padding); see
+        `runner.local.model.token_logprobs`.
+
+        Args:
+          params: a parameter pytree (e.g. ``trainer.params``).
+          tokens_BT: int full sequences, right-padded to ``T`` columns.
+          lengths_B: int number of real tokens per row.
+
+        Returns:
+          float[B, T-1] target logprobs.
+        """
+        return model.token_logprobs(params, tokens_BT, lengths_B, n_heads=self.config.n_heads)
+
+    def accumulated_grads(self) -> Params | None:
+        """The gradient accumulated since the last ``optim_step`` (``None`` if nothing was)."""
+        return self._grads
+
+    def reset_grads(self) -> None:
+        """Drops the accumulated gradient and its non-zero-gradient token/sequence counts."""
+        self._grads = None
+        self._num_loss_tokens = 0
+        self._num_sequences = 0
+
+    @property
+    def grad_counts(self) -> dict[str, int]:
+        """Non-zero-gradient tokens and sequences accumulated since the last step."""
+        return {"num_loss_tokens": self._num_loss_tokens, "num_sequences": self._num_sequences}
+
+    # -- padding ----------------------------------------------------------------------------
+
+    def _pad(self, seqs: Sequence[Seq]):
+        n_targets = [s.num_targets for s in seqs]
+        width = length_bucket(max(n_targets), self.config.max_seq_len)
+        rows = row_bucket(len(seqs), self.num_devices, self.MIN_ROWS)
+        tokens = np.zeros((rows, width + 1), np.int32)
+        lengths = np.zeros((rows,), np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, : s.tokens.shape[0]] = s.tokens
+            lengths[i] = s.tokens.shape[0]
+        return tokens, lengths, rows, width
+
+    def _validate(self, seqs: Sequence[Seq], required: Sequence[str] = ()) -> None:
+        if isinstance(seqs, Seq) or not isinstance(seqs, Sequence):
+            raise ValueError(f"expected a sequence of runner.Seq, got {type(seqs).__name__}")
+        validate_seqs(
+            seqs,
+            required=required,
+            vocab_size=self.config.vocab_size,
+            max_len=self.config.max_seq_len,
+        )
+
+    def _put_rows(self, x: np.ndarray) -> jax.Array:
+        return jax.device_put(x, self._rows)
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def forward(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
+        """Per-target logprobs of each sequence (float32[N-1]) at the current weights.
+
+        Inputs attached to the sequences are validated but otherwise ignored.
+        """
+        self._validate(seqs)
+        tokens, lengths, _, _ = self._pad(seqs)
+        fn = _forward_jit(self.config.n_heads, self._rows)
+        lp = fn(self._params, self._put_rows(tokens), self._put_rows(lengths))
+        lp = np.asarray(jax.device_get(lp), np.float32)
+        self.counters["forward"] += 1
+        return [lp[i, : s.num_targets].copy() for i, s in enumerate(seqs)]
+
+    # -- forward_backward -------------------------------------------------------------------
+
+    def forward_backward(
+        self, seqs: Sequence[Seq], loss_name: str, config: Mapping[str, Any] | None = None
+    ) -> ForwardBackwardResult:
+        """Runs a built-in kernel (see `runner.local.kernels`) and accumulates its gradient.
+
+        The kernel is the matching `losses` term with ``reduction="token_sum"`` over a batch
+        whose ``action_mask`` is 1 on every real target, so ``loss:sum`` is the raw token sum.
+        The non-zero-gradient counts (tokens with ``dL/dlogp ≠ 0``, computed exactly from the
+        term's gradient, and sequences with at least one) accumulate for ``optim_step``
+        normalization.
+
+        Args:
+          seqs: the sequences, with the kernel's inputs (see `runner.local.kernels`).
+          loss_name: one of ``runner.BUILTIN_LOSSES``.
+          config: the kernel's ``loss_fn_config``.
+
+        Returns:
+          `ForwardBackwardResult` with float32 logprobs per sequence and metrics ``loss:sum``,
+          the term's metrics as ``name:reduction`` keys, ``num_nonzero_grad_tokens:sum``,
+          ``num_nonzero_grad_sequences:sum`` and ``num_sequences:sum``.
+
+        Raises:
+          ValueError: unknown loss or config key, bad config value, missing/extra/misshapen/
+            non-finite inputs, empty batch, tokens outside the vocabulary or too long.
+        """
+        kernel, frozen = kernels.resolve(loss_name, config)
+        self._validate(seqs, required=kernel.inputs)
+        kernels.check_inputs(kernel, seqs)
+        tokens, lengths, rows, width = self._pad(seqs)
+        fields = kernels.build_batch(kernel, seqs, rows, width, self._dtype)
+        batch = losses.Batch(**{k: self._put_rows(v) for k, v in fields.items()})
+        acc = self._grads if self._grads is not None else self._zeros_fn(self._params)
+        fn = _forward_backward_jit(self.config.n_heads, kernel.name, frozen, self._rows, self._rep)
+        lp, loss, metrics, acc, nz_B = fn(
+            self._params, acc, self._put_rows(tokens), self._put_rows(lengths), batch
+        )
+        self._grads = acc
+        nz_B = np.asarray(jax.device_get(nz_B))[: len(seqs)]
+        n_tok, n_seq = int(nz_B.sum()), int((nz_B > 0).sum())
+        self._num_loss_tokens += n_tok
+        self._num_sequences += n_seq
+        self.counters["forward"] += 1
+        self.counters["backward"] += 1
+        out = kernels.server_metrics(jax.device_get(metrics))
+        out["loss:sum"] = float(loss)
+        out["num_nonzero_grad_tokens:sum"] = float(n_tok)
+        out["num_nonzero_grad_sequences:sum"] = float(n_seq)
+        out["num_sequences:sum"] = float(len(seqs))
+        lp = np.asarray(jax.device_get(lp), np.float32)
+        return ForwardBackwardResult(
+            logprobs=[lp[i, : s.num_targets].copy() for i, s in enumerate(seqs)], metrics=out
+        )
+
+    # -- optim_step -------------------------------------------------------------------------
+
+    def optim_step(self, adam: AdamParams, normalization: str | None = None) -> dict[str, float]:
+        """Applies the accumulated gradient with AdamW, then resets the accumulator.
+
+        Order (the Fireworks ``optim_step`` docstring): (1) normalize — ``None``/``"none"``:
+        as is; ``"num_loss_tokens"``: divide by the non-zero-gradient tokens accumulated since
+        the last step; ``"num_sequences"``: by the sequences with a non-zero gradient (a zero
+        count divides by 1); (2) if ``grad_clip_norm > 0`` and the global norm ``‖g‖`` exceeds
+        it, scale by ``grad_clip_norm/‖g‖`` (optax ``clip_by_global_norm``); (3) AdamW exactly
+        as ``torch.optim.AdamW``: ``m ← β1·m + (1-β1)·g``, ``v ← β2·v + (1-β2)·g²``,
+        ``θ ← θ - lr·(m̂/(√v̂ + eps) + wd·θ)`` with ``m̂ = m/(1-β1^t)``, ``v̂ = v/(1-β2^t)``
+        (decoupled decay on every parameter). Per-step changes of ``AdamParams`` keep the moments.
+
+        Args:
+          adam: the `AdamParams`.
+          normalization: ``None`` or one of ``runner.NORMALIZATIONS``.
+
+        Returns:
+          Metrics: ``grad_norm`` (after normalization, before clipping), ``num_loss_tokens``,
+          ``num_sequences``, ``normalization_denominator``, ``learning_rate``, ``step``.
+
+        Raises:
+          ValueError: nothing accumulated, or an unknown normalization.
+        """
+        if not isinstance(adam, AdamParams):
+            raise ValueError(f"optim_step: adam must be a runner.AdamParams, got {adam!r}")
+        mode = "none" if normalization is None else normalization
+        if mode not in NORMALIZATIONS:
+            raise ValueError(
+                f"optim_step: unknown normalization {normalization!r}; expected None or one of "
+                f"{NORMALIZATIONS}"
+            )
+        if self._grads is None:
+            raise ValueError(
+                "optim_step: no gradient accumulated since the last step (call forward_backward "
+                "first)"
+            )
+        counts = {"num_loss_tokens": self._num_loss_tokens, "num_sequences": self._num_sequences}
+        denom = 1 if mode == "none" else max(counts[mode], 1)
+        s = functools.partial(np.asarray, dtype=self._dtype)
+        step_fn = _optim_step_jit(self.config.dtype, self._rep)
+        self._params, self._opt_state, norm = step_fn(
+            self._params,
+            self._opt_state,
+            self._grads,
+            s(denom),
+            s(adam.grad_clip_norm),
+            s(adam.learning_rate),
+            s(adam.beta1),
+            s(adam.beta2),
+            s(adam.eps),
+            s(adam.weight_decay),
+        )
+        self.reset_grads()
+        self.step += 1
+        self.counters["optim_step"] += 1
+        return {
+            "grad_norm": float(norm),
+            "num_loss_tokens": float(counts["num_loss_tokens"]),
+            "num_sequences": float(counts["num_sequences"]),
+            "normalization_denominator": float(denom),
+            "learning_rate": float(adam.learning_rate),
+            "step": float(self.step),
+        }
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        num_samples: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+    ) -> list[list[Sample]]:
+        """``num_samples`` completions per prompt, batched, with a KV cache.
+
+        See `runner.local.sampling`: deterministic given ``seed``; temperature 0 is greedy;
+        generation stops after a stop token (included in the completion, ``stop_reason="stop"``)
+        or after ``max_tokens`` tokens (``"length"``). ``Sample.logprobs`` are float32
+        ``log_softmax(logits/temperature)`` of each sampled token (at temperature 1: the
+        ``forward()`` logprobs of prompt+completion; at temperature 0: the untempered model
+        logprobs of the greedy tokens). ``len(prompt) + max_tokens - 1`` must not exceed
+        ``max_seq_len``, so every prompt+completion can be passed to ``forward``.
+
+        Args:
+          prompts: token-id prompts, each non-empty.
+          num_samples: completions per prompt (≥ 1).
+          max_tokens: most tokens per completion (≥ 1).
+          temperature: sampling temperature ≥ 0.
+          seed: PRNG seed.
+          stop_token_ids: token ids that end a completion.
+
+        Returns:
+          ``result[p][j]``: the ``j``-th `runner.Sample` of prompt ``p``.
+        """
+        cfg = self.config
+        arrays = self._check_prompts(prompts)
+        num_samples = _check_int("num_samples", num_samples, 1)
+        max_tokens = _check_int("max_tokens", max_tokens, 1)
+        seed = _check_int("seed", seed, None)
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
+            raise ValueError(f"sample: temperature must be a number, got {temperature!r}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"sample: temperature must be finite and >= 0, got {temperature!r}")
+        stops = [int(_check_int("stop_token_ids entry", t, 0)) for t in stop_token_ids]
+        bad = [t for t in stops if t >= cfg.vocab_size]
+        if bad:
+            raise ValueError(f"sample: stop token {bad[0]} is outside the vocabulary")
+        longest = max(a.shape[0] for a in arrays)
+        if longest + max_tokens - 1 > cfg.max_seq_len:
+            raise ValueError(
+                f"sample: longest prompt ({longest}) + max_tokens ({max_tokens}) - 1 exceeds "
+                f"max_seq_len={cfg.max_seq_len}"
+            )
+        prompt_w = length_bucket(longest, cfg.max_seq_len)
+        cache_len = length_bucket(longest + max_tokens - 1, cfg.max_seq_len)
+        n_rows = len(arrays) * num_samples
+        rows = row_bucket(n_rows, self.num_devices, 1)
+        toks = np.zeros((rows, prompt_w), np.int32)
+        lens = np.ones((rows,), np.int32)
+        p_idx = np.zeros((rows,), np.int32)
+        s_idx = np.zeros((rows,), np.int32)
+        active = np.zeros((rows,), bool)
+        for p, a in enumerate(arrays):
+            for j in range(num_samples):
+                r = p * num_samples + j
+                toks[r, : a.shape[0]] = a
+                lens[r], p_idx[r], s_idx[r], active[r] = a.shape[0], p, j, True
+        n_stop = 4
+        while n_stop < len(stops):
+            n_stop *= 2
+        stop_arr = np.full((n_stop,), -1, np.int32)
+        stop_arr[: len(stops)] = stops
+        fn = sampling.jitted(cache_len, cfg.n_heads, self._rows)
+        put = self._put_rows
+        out_tok, out_lp, n_gen, stopped = fn(
+            self._params,
+            put(toks),
+            put(lens),
+            put(p_idx),
+            put(s_idx),
+            put(active),
+            jax.device_put(stop_arr, self._rep),
+            np.asarray(max_tokens, np.int32),
+            np.asarray(temperature, self._dtype),
+            jax.random.PRNGKey(seed),
+        )
+        out_tok, out_lp, n_gen, stopped = jax.device_get((out_tok, out_lp, n_gen, stopped))
+        self.counters["sample"] += 1
+        result = []
+        for p in range(len(arrays)):
+            row = []
+            for j in range(num_samples):
+                r = p * num_samples + j
+                n = int(n_gen[r])
+                row.append(
+                    Sample(
+                        tokens=np.asarray(out_tok[r, :n], np.int64),
+                        logprobs=np.asarray(out_lp[r, :n], np.float32),
+                        stop_reason="stop" if stopped[r] else "length",
+                    )
+                )
+            result.append(row)
+        return result
+
+    def _check_prompts(self, prompts: Any) -> list[np.ndarray]:
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+            raise ValueError("sample: prompts must be a sequence of token sequences")
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise ValueError(f"sample: prompts must be a sequence, got {type(prompts)}") from None
+        if not prompts:
+            raise ValueError("sample: empty batch: at least one prompt is required")
+        arrays = []
+        for i, p in enumerate(prompts):
+            a = np.asarray(p)
+            if a.ndim != 1 or a.shape[0] < 1:
+                raise ValueError(
+                    f"prompt {i}: must be a non-empty rank-1 token list, got {a.shape}"
+                )
+            if not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"prompt {i}: tokens must be integers, got dtype {a.dtype}")
+            if a.min() < 0 or a.max() >= self.config.vocab_size:
+                t = int(np.argmax((a < 0) | (a >= self.config.vocab_size)))
+                raise ValueError(
+                    f"prompt {i}: token {int(a[t])} at position {t} is outside the vocabulary "
+                    f"[0, {self.config.vocab_size})"
+                )
+            if a.shape[0] > self.config.max_seq_len:
+                raise ValueError(
+                    f"prompt {i}: length {a.shape[0]} exceeds max_seq_len={self.config.max_seq_len}"
+                )
+            arrays.append(a.astype(np.int32))
+        return arrays
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _root(self) -> Path:
+        if self.config.checkpoint_dir is None:
+            raise ValueError(
+                "LocalTrainerConfig.checkpoint_dir is None: set it to save checkpoints"
+            )
+        return Path(self.config.checkpoint_dir)
+
+    def _arch(self) -> dict[str, Any]:
+        return {k: getattr(self.config, k) for k in _ARCH_FIELDS}
+
+    def _check_arch(self, saved: Mapping[str, Any], where: str) -> None:
+        mine = self._arch()
+        diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+        if diff:
+            raise ValueError(
+                f"{where}: checkpoint model config differs from this trainer's "
+                f"(field: (checkpoint, trainer)): {diff}"
+            )
+
+    def save_state(self, name: str) -> str:
+        """Atomically saves resumable state (params, Adam state, step) with orbax-checkpoint.
+
+        The pending accumulated gradient is not saved. See `runner.local.checkpoint` for the
+        layout and atomicity.
+
+        Args:
+          name: checkpoint name (``[A-Za-z0-9][A-Za-z0-9._-]*``); saving a name again replaces it
+            atomically.
+
+        Returns:
+          The reference (the checkpoint's directory path) for `load_state`.
+        """
+        root = self._root()
+        leaves, treedef = jax.tree_util.tree_flatten(self._opt_state)
+        tree = {
+            "params": self._params,
+            "opt_state": {f"{i:04d}": leaf for i, leaf in enumerate(leaves)},
+        }
+        meta = {
+            "step": self.step,
+            "model": self._arch(),
+            "opt_state_treedef": str(treedef),
+            "num_opt_leaves": len(leaves),
+        }
+        return checkpoint.save_state(root, name, tree, meta)
+
+    def load_state(self, ref: str, with_optimizer: bool = True) -> None:
+        """Restores a `save_state` checkpoint (by name under ``checkpoint_dir``, or by path).
+
+        With ``with_optimizer`` the parameters, the Adam state (moments, step count, last
+        hyperparameters) and ``step`` are restored exactly. Without it only the parameters are
+        restored; the live optimizer state and ``step`` are left as they are (Fireworks
+        ``load_state`` vs ``load_state_with_optimizer``). Either way the accumulated gradient is
+        dropped (it was computed at other weights).
+
+        Raises:
+          FileNotFoundError: no complete checkpoint at ``ref``.
+          ValueError: the checkpoint's model config or optimizer structure differs.
+        """
+        root = Path(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+        version = checkpoint.resolve_state(root, ref)
+        meta = checkpoint.read_meta(version)
+        self._check_arch(meta.get("model", {}), f"load_state({ref!r})")
+        leaves, treedef = jax.tree_util.tree_flatten(self._opt_state)
+        if meta.get("num_opt_leaves") != len(leaves) or meta.get("opt_state_treedef") != str(
+            treedef
+        ):
+            raise ValueError(f"load_state({ref!r}): optimizer state structure differs")
+
+        def abstract(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+        target = {
+            "params": jax.tree.map(abstract, self._params),
+            "opt_state": {f"{i:04d}": abstract(leaf) for i, leaf in enumerate(leaves)},
+        }
+        restored = checkpoint.read_tree(version / "tree", target)
+        self._params = restored["params"]
+        if with_optimizer:
+            opt = [restored["opt_state"][f"{i:04d}"] for i in range(len(leaves))]
+            self._opt_state = jax.tree_util.tree_unflatten(treedef, opt)
+            self.step = int(meta["step"])
+        self.reset_grads()
+
+    def list_checkpoints(self) -> list[str]:
+        """Names of the complete resumable checkpoints under ``checkpoint_dir``, oldest first."""
+        root = Path(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+        return checkpoint.list_states(root)
+
+    def sampler_tensors(self) -> dict[str, np.ndarray]:
+        """Inference weights as flat per-layer names (``layers.{i}.wqkv``, ``embed``, ...)."""
+        out: dict[str, np.ndarray] = {}
+        for key, value in jax.device_get(self._params).items():
+            if key == "blocks":
+                for sub, arr in value.items():
+                    for i in range(arr.shape[0]):
+                        out[f"layers.{i}.{sub}"] = np.asarray(arr[i])
+            else:
+                out[key] = np.asarray(value)
+        return out
+
+    def save_weights_for_sampler(self, name: str) -> str:
+        """Atomically writes promotable inference weights (safetensors, no optimizer state).
+
+        Returns:
+          The ``.safetensors`` path (for `load_weights`).
+        """
+        meta = {"model": self._arch(), "step": self.step}
+        return checkpoint.save_weights(self._root(), name, self.sampler_tensors(), meta)
+
+    def load_weights(self, path: str) -> None:
+        """Loads `save_weights_for_sampler` weights (a path, or a name under ``checkpoint_dir``).
+
+        Only the parameters change (the optimizer state is kept); the accumulated gradient is
+        dropped.
+
+        Raises:
+          FileNotFoundError: no such file.
+          ValueError: names, shapes or model config differ.
+        """
+        root = Path(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+        tensors, meta = checkpoint.load_weights(checkpoint.resolve_weights(root, path))
+        self._check_arch(meta.get("model", {}), f"load_weights({path!r})")
+        expected = {k: v.shape for k, v in self.sampler_tensors().items()}
+        got = {k: v.shape for k, v in tensors.items()}
+        if expected != got:
+            missing = sorted(set(expected) - set(got))
+            extra = sorted(set(got) - set(expected))
+            raise ValueError(
+                f"load_weights({path!r}): tensors differ (missing {missing}, unexpected {extra}, "
+                "or shapes differ)"
+            )
+        params = {}
+        for key, value in self._params.items():
+            if key == "blocks":
+                params[key] = {
+                    sub: np.stack([tensors[f"layers.{i}.{sub}"] for i in range(arr.shape[0])])
+                    for sub, arr in value.items()
+                }
+            else:
+                params[key] = tensors[key]
+        params = jax.tree.map(lambda x: np.asarray(x, self._dtype), params)
+        self._params = jax.device_put(params, self._rep)
+        self.reset_grads()
+
+
+def _check_int(name: str, value: Any, low: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"sample: {name} must be an int, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"sample: {name} must be >= {low}, got {value!r}")
+    return int(value)
