@@ -8,37 +8,68 @@ from losses._advantages import ESTIMATORS, group_advantages
 from losses._batch import Batch, Term
 from losses._checks import check_batch
 from losses._common import KL_ESTIMATORS
+from losses._correction import (
+    CORRECTION_KINDS,
+    CORRECTION_LEVELS,
+    MismatchCorrection,
+    mismatch_correction,
+)
 from losses._env import ENV_NORMALIZATIONS, echo_env, echo_env_weights, observation_mask
 from losses._fold import fold
 from losses._grpo import grpo, ppo_clip_terms
-from losses._policy import cispo, dro, importance_sampling, policy_term, ppo
+from losses._policy import (
+    DIVERGENCES,
+    cispo,
+    dapo,
+    dppo,
+    dro,
+    importance_sampling,
+    policy_term,
+    ppo,
+    reinforce,
+    sapo,
+)
+from losses._policy_seq import gmpo, gspo
 from losses._reductions import REDUCTIONS, active_rows, reduction_weights, term_weights
 from losses._sft import sft_cross_entropy, weighted_cross_entropy
 from losses._split import row_slices, split_batch, with_normalizers
+from losses._twin import builtin_twin
 
 __all__ = [
     "Batch",
+    "MismatchCorrection",
     "Term",
+    "CORRECTION_KINDS",
+    "CORRECTION_LEVELS",
+    "DIVERGENCES",
     "ENV_NORMALIZATIONS",
     "ESTIMATORS",
     "KL_ESTIMATORS",
     "REDUCTIONS",
     "active_rows",
+    "builtin_twin",
     "check_batch",
     "cispo",
+    "dapo",
+    "dppo",
     "dro",
     "echo_env",
     "echo_env_weights",
     "fold",
+    "gmpo",
     "group_advantages",
     "grpo",
+    "gspo",
     "importance_sampling",
+    "mismatch_correction",
     "observation_mask",
     "policy_term",
     "ppo",
     "ppo_clip_terms",
     "reduction_weights",
+    "reinforce",
     "row_slices",
+    "sapo",
     "sft_cross_entropy",
     "split_batch",
     "term_weights",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -15,6 +17,7 @@ from losses._common import (
     masked_mean,
     per_token_advantages,
 )
+from losses._correction import as_correction
 from losses._reductions import term_weights, validate_reduction
 
 
@@ -61,6 +64,7 @@ def grpo(
     reduction: str = "token_mean",
     max_tokens: float | None = None,
     max_log_ratio: float = 20.0,
+    correction: Any = None,
 ) -> Term:
     """GRPO/PPO clipped policy loss (Shao et al. 2024, arXiv:2402.03300; Schulman et al. 2017).
 
@@ -68,6 +72,7 @@ def grpo(
 
         ℓ = -min(r·A, clip(r, 1 - clip_low, 1 + clip_high)·A)
         ℓ = min(ℓ, -dual_clip·A)            if dual_clip is set and A < 0
+        ℓ = sg(c)·ℓ                         c = the optional mismatch correction's weight
         ℓ += kl_coef · k(p, ref)            k ∈ {k1, k2, k3}, with its true gradient in p
         L = Σ_{i,t} w_{i,t}·ℓ_{i,t}         w = the reduction's weights over action_mask
 
@@ -85,13 +90,18 @@ def grpo(
       reduction: one of ``losses.REDUCTIONS``.
       max_tokens: the Dr. GRPO constant, required for ``seq_mean_token_sum_norm``.
       max_log_ratio: clamp of ``p - old`` and ``p - ref`` before ``exp`` (verl/SkyRL: 20).
+      correction: optional `losses.mismatch_correction` (TIS/MIS between ``old_logprobs`` and
+        ``sampling_logprobs``); it weights the clipped surrogate, not the KL term. None = off,
+        which leaves the term bit-for-bit unchanged.
 
     Returns:
       A `Term` ``(logprobs[B, T], batch) -> (loss, metrics)`` reading ``action_mask``,
       ``advantages`` ([B] or [B, T]), ``old_logprobs`` and (with β > 0) ``ref_logprobs``.
       Metrics: ``loss``, ``pg_loss``, ``kl_loss``, ``kl`` (token mean of the estimator),
       ``clip_frac_low``, ``clip_frac_high``, ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``,
-      ``adv_mean``, ``num_tokens``.
+      ``adv_mean``, ``num_tokens``; with a correction also its ``mismatch_*`` metrics.
+      `losses.builtin_twin` maps it to the ``ppo`` kernel (``dapo`` with ``dual_clip``) when
+      KL and correction are off.
 
     Example:
       >>> import jax.numpy as jnp, losses
@@ -114,6 +124,7 @@ def grpo(
     check_choice(where, "kl_estimator", kl_estimator, KL_ESTIMATORS)
     validate_reduction(reduction, max_tokens, where=where)
     max_log_ratio = check_number(where, "max_log_ratio", max_log_ratio, low=0.0, low_open=True)
+    corr = as_correction(correction, where)
     config = dict(
         clip_low=clip_low,
         clip_high=clip_high,
@@ -123,6 +134,7 @@ def grpo(
         reduction=reduction,
         max_tokens=max_tokens,
         max_log_ratio=max_log_ratio,
+        correction=None if corr is None else corr.as_config(),
     )
 
     def loss_fn(logprobs, batch: Batch):
@@ -141,6 +153,10 @@ def grpo(
             ratio_high=1.0 + clip_high,
             dual_clip=dual_clip,
         )
+        corr_metrics = {}
+        if corr is not None:
+            c_BT, corr_metrics = corr.weights(batch, valid)
+            pg_BT = c_BT * pg_BT
         pg_loss = jnp.sum(w * pg_BT)
         if kl_coef > 0.0:
             ref = require(batch, "ref_logprobs", where)
@@ -171,6 +187,7 @@ def grpo(
             "ratio_max": jnp.max(jnp.where(valid, ratio, 0.0)),
             "adv_mean": masked_mean(adv, valid),
             "num_tokens": jnp.sum(valid.astype(lp.dtype)),
+            **corr_metrics,
         }
         return loss, metrics
 

@@ -1,0 +1,205 @@
+"""Sequence-ratio policy terms: GSPO (GSPO-token gradient form) and GMPO (geometric mean).
+
+Both compute a per-row ratio from the masked mean of the token log-ratios. Padding and masked
+tokens never enter the mean (the denominator is the row's action-token count ``N_i``), and every
+per-row quantity is row-local, so micro-batching (`losses.split_batch`), row permutation and
+padding leave the value and the gradient unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from losses._batch import Term
+from losses._common import check_number
+from losses._grpo import ppo_clip_terms
+from losses._policy import _common_args, policy_term, ratio_bounds
+
+#: GSPO paper / TRL recipe clip offsets (ε_lo, ε_hi).
+GSPO_DEFAULT_OFFSETS = (3e-4, 4e-4)
+
+
+def _row_mean(x_BT: jax.Array, m_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(Σ_t m·x / max(N_i, 1), N_i)`` per row, both float[B, 1]."""
+    n = jnp.sum(m_BT, axis=1, keepdims=True)
+    return jnp.sum(x_BT * m_BT, axis=1, keepdims=True) / jnp.maximum(n, 1.0), n
+
+
+def _active_row_mean(x_B1: jax.Array, n_B1: jax.Array) -> jax.Array:
+    rows = (n_B1 > 0).astype(x_B1.dtype)
+    x = jax.lax.stop_gradient(x_B1)
+    return jnp.sum(jnp.where(n_B1 > 0, x, 0.0) * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+
+
+def gspo(
+    *,
+    clip_low_threshold: float | None = None,
+    clip_high_threshold: float | None = None,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    seq_ratio_log_cap: float = 10.0,
+    reduction: str = "seq_mean_token_mean",
+    max_tokens: float | None = None,
+    max_log_ratio: float = 20.0,
+    correction: Any = None,
+) -> Term:
+    """GSPO with the GSPO-token gradient form (Zheng et al. 2025, arXiv:2507.18071).
+
+    With ``N_i`` the action tokens of row ``i`` and ``x_t = clip(p_t - q_t, ±max_log_ratio)``::
+
+        log s_i  = Σ_t m_t·x_t / N_i                        (masked mean: padding never enters)
+        log s_it = min(sg(log s_i) + p_t - sg(p_t), seq_ratio_log_cap)
+        ℓ_t      = -min(s_it·A_t, clip(s_it, lo, hi)·A_t)
+
+    The value of ``s_it`` is the sequence ratio ``s_i``; its gradient is per token,
+    ``∂s_it/∂p_t = s_i``. So the gradient is ``-s_i·A·w`` unless the clip is active for the row
+    (``A > 0, s_i > hi`` or ``A < 0, s_i < lo``) or ``log s_i`` exceeds the cap, where it is
+    exactly 0; on-policy it is ``-A·w``. This is verl/SkyRL ``gspo`` and Tunix ``gspo-token``;
+    with a per-row advantage it has the gradient of TRL's ``importance_sampling_level=
+    "sequence"``. The default reduction is ``seq_mean_token_mean``, which verl and SkyRL force.
+    The Fireworks cookbook's ``main`` client averages ``p - q`` over the *unmasked* response
+    slice (padding and masked tokens leak into ``s_i``); this term does not.
+
+    With ``reduction="token_sum"`` this is the Fireworks built-in ``gspo`` kernel as the SDK
+    reference infers it (the kernel is not public): a token sum with the sequence ratio taken
+    over the datum's action tokens. Because ``ℓ_t`` is positively homogeneous in ``A_t`` and
+    ``s_i`` does not depend on ``A``, folding any reduction's weights into the advantages is
+    exact, so `losses.builtin_twin` maps every reduction (an assumption to re-check if the kernel
+    turns out to divide by the response length, as the cookbook's algorithm-module revision
+    suggests).
+
+    Args:
+      clip_low_threshold: lower bound ``lo ∈ [0, 1]`` on ``s`` (default ``1 - 3e-4``).
+      clip_high_threshold: upper bound ``hi ≥ 1`` on ``s`` (default ``1 + 4e-4``).
+      clip_low: alternatively ``ε_lo ∈ [0, 1]`` (default 3e-4, the GSPO paper / TRL recipe).
+      clip_high: alternatively ``ε_hi ≥ 0`` (default 4e-4).
+      seq_ratio_log_cap: upper clamp of ``log s_it`` (verl/Tunix/Fireworks: 10).
+      reduction: one of ``losses.REDUCTIONS``.
+      max_tokens: the ``seq_mean_token_sum_norm`` constant.
+      max_log_ratio: clamp of each token's ``p - q`` before it enters the mean.
+      correction: optional `losses.mismatch_correction`.
+
+    Returns:
+      A `Term`; ``config`` holds the absolute thresholds. Metrics add ``seq_ratio_mean`` (mean
+      ``s_i`` over rows with an action token), ``clip_frac_low``, ``clip_frac_high`` and
+      ``cap_frac`` (action tokens whose gradient each zeroes).
+    """
+    where = "gspo"
+    mlr = _common_args(where, reduction, max_tokens, max_log_ratio)
+    lo, hi = ratio_bounds(
+        where,
+        clip_low_threshold=clip_low_threshold,
+        clip_high_threshold=clip_high_threshold,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        default_thresholds=(1.0 - GSPO_DEFAULT_OFFSETS[0], 1.0 + GSPO_DEFAULT_OFFSETS[1]),
+        default_offsets=GSPO_DEFAULT_OFFSETS,
+    )
+    cap = check_number(where, "seq_ratio_log_cap", seq_ratio_log_cap, low=0.0, low_open=True)
+
+    def per_token(*, logprobs, log_ratio, adv, valid, **_):
+        dtype = log_ratio.dtype
+        m = valid.astype(dtype)
+        log_s, n = _row_mean(jax.lax.stop_gradient(log_ratio), m)  # [B, 1]
+        log_s_tok = jnp.minimum(log_s + (logprobs - jax.lax.stop_gradient(logprobs)), cap)
+        terms = ppo_clip_terms(log_s_tok, adv, ratio_low=lo, ratio_high=hi)
+        s = jnp.exp(jnp.minimum(log_s, cap))
+        extra = {
+            "seq_ratio_mean": _active_row_mean(jnp.exp(log_s), n),
+            "clip_frac_low": (valid & (adv < 0) & (s < lo)).astype(dtype),
+            "clip_frac_high": (valid & (adv > 0) & (s > hi)).astype(dtype),
+            "cap_frac": (valid & (log_s > cap)).astype(dtype),
+        }
+        return terms, extra
+
+    return policy_term(
+        name="gspo",
+        kind="gspo",
+        per_token=per_token,
+        reduction=reduction,
+        max_tokens=max_tokens,
+        max_log_ratio=mlr,
+        config=dict(clip_low_threshold=lo, clip_high_threshold=hi, seq_ratio_log_cap=cap),
+        correction=correction,
+    )
+
+
+def gmpo(
+    *,
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+    reduction: str = "seq_mean_token_mean",
+    max_tokens: float | None = None,
+    max_log_ratio: float = 20.0,
+    correction: Any = None,
+) -> Term:
+    """GMPO: a geometric-mean sequence ratio with a sign-aware log-space clip (verl ``geo_mean``).
+
+    Geometric-Mean Policy Optimization (Zhao et al. 2025) maximizes the geometric mean of the
+    token ratios instead of their arithmetic mean. With ``x_t = clip(p_t - q_t,
+    ±max_log_ratio)`` and ``N_i`` the action tokens of row ``i`` (reference/policy-losses.md
+    §3.7)::
+
+        x̃_t = min(x_t, clip_high)   if A_t > 0     (= sgn(A)·min(sgn(A)·x, sgn(A)·clip(x, -lo, hi)))
+        x̃_t = max(x_t, -clip_low)   if A_t < 0
+        x̃_t = 0                      if A_t = 0
+        ρ_i = exp(Σ_t m_t·x̃_t / N_i),   Ā_i = Σ_t m_t·A_t / N_i,   ℓ_i = -Ā_i·ρ_i
+
+    The bounds are **log-space** offsets (verl applies ``clip_ratio_low/high`` to the
+    log-ratio; the paper suggests ``e^±0.4``). ``ℓ_i`` is a sequence loss, broadcast to the row's
+    action tokens and reduced with the per-token weights ``w``: ``L = Σ_i (Σ_t w_it·c_it)·ℓ_i``.
+    With ``seq_mean_token_mean`` (default) that is verl's mean over sequences; with ``token_sum``
+    each sequence counts ``N_i`` times. The gradient is ``∂L/∂p_t = -(Σ_s w_is·c_is)·Ā_i·ρ_i /
+    N_i`` on tokens whose clip is inactive, exactly 0 where it is active; on-policy (``ρ_i = 1``,
+    row-constant ``w``) it is ``-Ā_i·w_it`` for tokens with ``A_t ≠ 0``. Unlike verl, each token's
+    log-ratio is clamped to ``±max_log_ratio`` before the mean (NaN safety).
+
+    Args:
+      clip_low: log-space lower offset ``ε_lo ≥ 0`` (default 0.4).
+      clip_high: log-space upper offset ``ε_hi ≥ 0`` (default 0.4).
+      reduction: one of ``losses.REDUCTIONS``.
+      max_tokens: the ``seq_mean_token_sum_norm`` constant.
+      max_log_ratio: clamp of each token's ``p - q``.
+      correction: optional `losses.mismatch_correction`.
+
+    Returns:
+      A `Term`. Metrics add ``seq_ratio_mean`` (mean ``ρ_i`` over rows with an action token) and
+      ``clip_frac`` (action tokens whose log-ratio the clip holds).
+    """
+    where = "gmpo"
+    mlr = _common_args(where, reduction, max_tokens, max_log_ratio)
+    el = check_number(where, "clip_low", clip_low, low=0.0)
+    eh = check_number(where, "clip_high", clip_high, low=0.0)
+
+    def per_token(*, log_ratio, adv, valid, **_):
+        dtype = log_ratio.dtype
+        m = valid.astype(dtype)
+        zero = jnp.zeros((), dtype)
+        x = jnp.where(
+            adv > 0,
+            jnp.minimum(log_ratio, eh),
+            jnp.where(adv < 0, jnp.maximum(log_ratio, -el), zero),
+        )
+        log_rho, n = _row_mean(x, m)
+        abar, _ = _row_mean(adv, m)
+        rho = jnp.exp(log_rho)
+        loss_B1 = -abar * rho
+        terms = jnp.broadcast_to(loss_B1, log_ratio.shape)
+        lr = jax.lax.stop_gradient(log_ratio)
+        clipped = valid & (((adv > 0) & (lr > eh)) | ((adv < 0) & (lr < -el)))
+        extra = {"seq_ratio_mean": _active_row_mean(rho, n), "clip_frac": clipped.astype(dtype)}
+        return terms, extra
+
+    return policy_term(
+        name="gmpo",
+        kind="gmpo",
+        per_token=per_token,
+        reduction=reduction,
+        max_tokens=max_tokens,
+        max_log_ratio=mlr,
+        config=dict(clip_low=el, clip_high=eh),
+        correction=correction,
+    )
