@@ -93,6 +93,7 @@ def test_decode_errors():
         ("-5*3", -15),
         ("3--5", 8),
         ("007", 7),
+        ("999999999999-1", 999999999998),
         ("0", 0),
         ("999999999*999", 998999999001),
     ],
@@ -111,7 +112,7 @@ def test_evaluate(expr, value):
         ("+4", "error: bad expression"),
         ("(4)", "error: bad expression"),
         ("--4", "error: bad expression"),
-        ("1234567890", "error: bad expression"),  # more than 9 digits
+        ("1234567890123", "error: bad expression"),  # more than 12 digits
         ("__import__", "error: bad expression"),
         ("999999999*999999999", "error: result too large"),
         ("999999999*1001+1", "error: result too large"),
@@ -167,6 +168,14 @@ def test_problem_generation(knobs, index):
     assert CalcEnv(**knobs).problem(index) == p
     rng1, rng2 = np.random.default_rng(index), np.random.default_rng(index)
     assert env.sample_problem(rng1) == env.sample_problem(rng2)
+
+
+def test_expert_succeeds_with_long_products():
+    """Intermediate results with more than 9 digits can be fed back to the calculator."""
+    env = CalcEnv(seed=0, max_operand=99, num_ops=5, operators="*")
+    for p in env.problems(0, 10):
+        assert expert_trajectory(env, p).reward == 1.0
+    assert CalcEnv(max_operand=10**10, num_ops=3, operators="+").max_operand == 10**10
 
 
 def test_seeds_give_different_problems():

@@ -4,7 +4,7 @@ Text protocol (character-level, `runner.env.tokenizer`):
 
 * **Prompt** (environment, never a loss target): ``<bos>Q: 48*2+7\\n``.
 * **Action turn** (policy, ends at a newline): either a tool call ``calc <expr>\\n`` or the final
-  answer ``ans <int>\\n``. ``<expr>`` is integers (an optional leading ``-``, at most 9 digits)
+  answer ``ans <int>\\n``. ``<expr>`` is integers (an optional leading ``-``, at most 12 digits)
   joined by ``+ - *`` with the usual precedence and no spaces. Anything else is answered with an
   error message.
 * **Observation** (environment) after every non-final action: ``= <body>\\n``. The *body* is the
@@ -53,7 +53,7 @@ OBS_PREFIX = "= "
 OBS_SUFFIX = "\n"
 #: Results with ``abs(value) >= RESULT_LIMIT`` are answered with `ERR_TOO_LARGE`.
 RESULT_LIMIT = 10**12
-_MAX_DIGITS = 9
+_MAX_DIGITS = 12  # any result the calculator returns can be fed back to it
 #: The token ids a policy turn stops at (the stop token is part of the action).
 STOP_TOKEN_IDS = (tok.NEWLINE_ID, tok.EOS_ID)
 
@@ -80,7 +80,7 @@ class CalcError(ValueError):
 def evaluate(expr: str) -> int:
     """Evaluates ``expr`` safely (no ``eval``): integers and ``+ - *``, ``*`` binding tighter.
 
-    Grammar: ``expr := num (op num)*``, ``num := -?[0-9]{1,9}``, ``op := + | - | *``; no spaces.
+    Grammar: ``expr := num (op num)*``, ``num := -?[0-9]{1,12}``, ``op := + | - | *``; no spaces.
     Evaluation is left to right within each precedence level.
 
     Args:
@@ -248,7 +248,8 @@ class CalcEnv:
             )
         if not operators or any(op not in OPERATORS for op in operators):
             raise ValueError(f"CalcEnv.operators must be a subset of {OPERATORS!r}: {operators!r}")
-        if max_operand ** (hi + 1) >= RESULT_LIMIT:
+        largest = max_operand ** (hi + 1) if "*" in operators else (hi + 1) * max_operand
+        if largest >= RESULT_LIMIT:
             raise ValueError(
                 f"CalcEnv: max_operand={max_operand} with up to {hi} operations can exceed the "
                 f"calculator's limit {RESULT_LIMIT:.0e}"
