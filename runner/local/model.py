@@ -92,8 +92,12 @@ class LocalTrainerConfig:
         return jnp.dtype(self.dtype)
 
 
-def init_params(cfg: LocalTrainerConfig) -> Params:
-    """Random initial parameters (normal ``init_std``; residual projections scaled by 1/√(2L)).
+def init_params(cfg: LocalTrainerConfig) -> dict[str, Any]:
+    """Random initial parameters as numpy arrays of ``cfg.dtype``.
+
+    Weights are normal with ``init_std`` (residual output projections scaled by 1/√(2L)), drawn
+    with ``numpy.random.default_rng(cfg.seed)`` (no XLA compilation; identical on every
+    platform); LayerNorm scales are 1 and biases 0.
 
     Returns:
       ``{"embed": [V, D], "pos": [max_seq_len, D], "blocks": {ln1_scale, ln1_bias: [L, D],
@@ -101,42 +105,41 @@ def init_params(cfg: LocalTrainerConfig) -> Params:
       w2: [L, F, D], b2: [L, D]}, "lnf_scale", "lnf_bias": [D], "unembed": [D, V]}`` (no
       ``unembed`` when tied).
     """
-    dt = cfg.jnp_dtype
+    dt = np.dtype(cfg.dtype)
     L, D, F, V = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size
-    keys = jax.random.split(jax.random.PRNGKey(cfg.seed), 7)
+    rng = np.random.default_rng(cfg.seed)
     std = cfg.init_std
     res_std = std / math.sqrt(2 * L)
 
-    def normal(key, shape, scale):
-        return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+    def normal(shape, scale):
+        return (scale * rng.standard_normal(shape)).astype(dt)
 
-    params: Params = {
-        "embed": normal(keys[0], (V, D), std),
-        "pos": normal(keys[1], (cfg.max_seq_len, D), std),
+    params: dict[str, Any] = {
+        "embed": normal((V, D), std),
+        "pos": normal((cfg.max_seq_len, D), std),
         "blocks": {
-            "ln1_scale": jnp.ones((L, D), dt),
-            "ln1_bias": jnp.zeros((L, D), dt),
-            "wqkv": normal(keys[2], (L, D, 3 * D), std),
-            "wo": normal(keys[3], (L, D, D), res_std),
-            "ln2_scale": jnp.ones((L, D), dt),
-            "ln2_bias": jnp.zeros((L, D), dt),
-            "w1": normal(keys[4], (L, D, F), std),
-            "b1": jnp.zeros((L, F), dt),
-            "w2": normal(keys[5], (L, F, D), res_std),
-            "b2": jnp.zeros((L, D), dt),
+            "ln1_scale": np.ones((L, D), dt),
+            "ln1_bias": np.zeros((L, D), dt),
+            "wqkv": normal((L, D, 3 * D), std),
+            "wo": normal((L, D, D), res_std),
+            "ln2_scale": np.ones((L, D), dt),
+            "ln2_bias": np.zeros((L, D), dt),
+            "w1": normal((L, D, F), std),
+            "b1": np.zeros((L, F), dt),
+            "w2": normal((L, F, D), res_std),
+            "b2": np.zeros((L, D), dt),
         },
-        "lnf_scale": jnp.ones((D,), dt),
-        "lnf_bias": jnp.zeros((D,), dt),
+        "lnf_scale": np.ones((D,), dt),
+        "lnf_bias": np.zeros((D,), dt),
     }
     if not cfg.tie_embeddings:
-        params["unembed"] = normal(keys[6], (D, V), std)
+        params["unembed"] = normal((D, V), std)
     return params
 
 
 def param_shapes(cfg: LocalTrainerConfig) -> dict[str, tuple[int, ...]]:
-    """Flattened parameter names (``blocks.wqkv``, ...) and their shapes, without allocating."""
-    shapes = jax.eval_shape(lambda: init_params(cfg))
-    return {name: tuple(x.shape) for name, x in flatten(shapes).items()}
+    """Flattened parameter names (``blocks.wqkv``, ...) and their shapes."""
+    return {name: tuple(x.shape) for name, x in flatten(init_params(cfg)).items()}
 
 
 def flatten(params: Params) -> dict[str, Any]:

@@ -8,7 +8,8 @@ them does not recompile.
 
 Randomness: row ``r`` (prompt ``p``, sample ``j``) draws step ``i`` from
 ``fold_in(fold_in(fold_in(PRNGKey(seed), p), j), i)``, so a row's completion depends only on the
-seed, its prompt, ``j`` and the weights — not on the other prompts or the batch padding.
+seed, the prompt's index ``p`` and tokens, ``j`` and the weights — not on the other prompts,
+``num_samples`` or the batch padding.
 
 Reported logprobs: ``log_softmax(logits / temperature)[token]``, the logprob of the sampled token
 under the temperature-scaled distribution it was drawn from (equal to the model's
@@ -17,8 +18,6 @@ the reported logprob is the untempered (temperature 1) model logprob of that tok
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -119,10 +118,3 @@ def generate(
 
     final = jax.lax.while_loop(cond, body, init)
     return final[8], final[9], final[7], final[6]
-
-
-@functools.cache
-def jitted(cache_len: int, n_heads: int, out_shardings=None):
-    """The jitted `generate` for one static configuration."""
-    fn = functools.partial(generate, cache_len=cache_len, n_heads=n_heads)
-    return jax.jit(fn, out_shardings=out_shardings)

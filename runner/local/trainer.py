@@ -102,25 +102,44 @@ def _forward_jit(n_heads: int, rows: NamedSharding):
 
 
 @functools.cache
-def _forward_backward_jit(
-    n_heads: int, kernel_name: str, frozen: tuple, rows: NamedSharding, rep: NamedSharding
-):
-    term = kernels.KERNELS[kernel_name].build(**dict(frozen))
-    trace_key = f"forward_backward:{kernel_name}"
+def _model_vjp_jit(n_heads: int):
+    """Model forward returning ``(logprobs, pullback)``; the pullback (a `jax.vjp` function) is a
+    pytree of residuals, so the backward runs in a separate jitted call (`_backward_jit`) and the
+    model compiles once per bucket for every kernel."""
 
-    def fb(params, acc, tokens, lengths, batch):
+    def forward(params, tokens, lengths):
+        TRACE_COUNTS["forward_backward"] += 1
+        return jax.vjp(lambda p: model.token_logprobs(p, tokens, lengths, n_heads=n_heads), params)
+
+    return jax.jit(forward)
+
+
+@functools.cache
+def _kernel_jit(kernel_name: str, frozen: tuple, rep: NamedSharding):
+    """``(loss, metrics, dL/dlogprobs, non-zero-gradient tokens per row)`` of one kernel."""
+    term = kernels.KERNELS[kernel_name].build(**dict(frozen))
+    trace_key = f"kernel:{kernel_name}"
+
+    def kernel(lp, batch):
         TRACE_COUNTS[trace_key] += 1
-        lp, pullback = jax.vjp(
-            lambda p: model.token_logprobs(p, tokens, lengths, n_heads=n_heads), params
-        )
         (loss, metrics), g_lp = jax.value_and_grad(term.fn, has_aux=True)(lp, batch)
-        (grads,) = pullback(g_lp.astype(lp.dtype))
-        acc = jax.tree.map(jnp.add, acc, grads)
         nonzero = (g_lp != 0) & (batch.action_mask > 0)
         nz_B = jnp.sum(nonzero.astype(jnp.int32), axis=1)
-        return lp, loss, metrics, acc, nz_B
+        return loss, metrics, g_lp.astype(lp.dtype), nz_B
 
-    return jax.jit(fb, out_shardings=(rows, rep, rep, rep, rows))
+    return jax.jit(kernel, out_shardings=(rep, rep, None, None))
+
+
+@functools.cache
+def _backward_jit(rep: NamedSharding):
+    """``acc + pullback(dL/dlogprobs)``: the parameter gradient, summed into the accumulator."""
+
+    def backward(pullback, g_lp, acc):
+        TRACE_COUNTS["backward"] += 1
+        (grads,) = pullback(g_lp)
+        return jax.tree.map(jnp.add, acc, grads)
+
+    return jax.jit(backward, out_shardings=rep)
 
 
 @functools.cache
@@ -130,7 +149,7 @@ def _optim_step_jit(dtype_name: str, rep: NamedSharding):
     def step(params, opt_state, grads, denom, clip, lr, b1, b2, eps, wd):
         TRACE_COUNTS["optim_step"] += 1
         grads = jax.tree.map(lambda g: g / denom, grads)
-        norm = optax.global_norm(grads)
+        norm = optax.tree.norm(grads)
         scale = jnp.where((clip > 0) & (norm > clip), clip / jnp.where(norm > 0, norm, 1), 1)
         grads = jax.tree.map(lambda g: g * scale, grads)
         hp = dict(opt_state.hyperparams)
@@ -140,6 +159,15 @@ def _optim_step_jit(dtype_name: str, rep: NamedSharding):
         return optax.apply_updates(params, updates), opt_state, norm
 
     return jax.jit(step, out_shardings=rep)
+
+
+@functools.cache
+def _sample_jit(cache_len: int, n_heads: int, rows: NamedSharding):
+    def sample(*args):
+        TRACE_COUNTS["sample"] += 1
+        return sampling.generate(*args, cache_len=cache_len, n_heads=n_heads)
+
+    return jax.jit(sample, out_shardings=rows)
 
 
 @functools.cache
@@ -308,12 +336,12 @@ class LocalTrainer:
         tokens, lengths, rows, width = self._pad(seqs)
         fields = kernels.build_batch(kernel, seqs, rows, width, self._dtype)
         batch = losses.Batch(**{k: self._put_rows(v) for k, v in fields.items()})
-        acc = self._grads if self._grads is not None else self._zeros_fn(self._params)
-        fn = _forward_backward_jit(self.config.n_heads, kernel.name, frozen, self._rows, self._rep)
-        lp, loss, metrics, acc, nz_B = fn(
-            self._params, acc, self._put_rows(tokens), self._put_rows(lengths), batch
+        lp, pullback = _model_vjp_jit(self.config.n_heads)(
+            self._params, self._put_rows(tokens), self._put_rows(lengths)
         )
-        self._grads = acc
+        loss, metrics, g_lp, nz_B = _kernel_jit(kernel.name, frozen, self._rep)(lp, batch)
+        acc = self._grads if self._grads is not None else self._zeros_fn(self._params)
+        self._grads = _backward_jit(self._rep)(pullback, g_lp, acc)
         nz_B = np.asarray(jax.device_get(nz_B))[: len(seqs)]
         n_tok, n_seq = int(nz_B.sum()), int((nz_B > 0).sum())
         self._num_loss_tokens += n_tok
@@ -467,7 +495,7 @@ class LocalTrainer:
             n_stop *= 2
         stop_arr = np.full((n_stop,), -1, np.int32)
         stop_arr[: len(stops)] = stops
-        fn = sampling.jitted(cache_len, cfg.n_heads, self._rows)
+        fn = _sample_jit(cache_len, cfg.n_heads, self._rows)
         put = self._put_rows
         out_tok, out_lp, n_gen, stopped = fn(
             self._params,
