@@ -1,0 +1,101 @@
+"""``python -m runner train|sft`` — the main job's command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from runner.checkpoints import CheckpointError
+from runner.config import load_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "default.toml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runner", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_text in (
+        ("train", "SFT warm-up then GRPO + ECHO RL (the main job)"),
+        ("sft", "SFT warm-up only"),
+    ):
+        s = sub.add_parser(name, help=help_text)
+        s.add_argument(
+            "--config", default=None, help="TOML config (default: examples/default.toml)"
+        )
+        s.add_argument(
+            "--backend", choices=("local", "fireworks"), help="trainer backend (default: local)"
+        )
+        s.add_argument("--name", help="run name: outputs go to <output_dir>/<name>")
+        s.add_argument("--output-dir", help="where runs are written (default: runs)")
+        s.add_argument("--seed", type=int)
+        s.add_argument("--sft-steps", type=int)
+        s.add_argument("--rl-steps", type=int)
+        s.add_argument("--checkpoint-interval", type=int)
+        s.add_argument("--env-coef", type=float, help="ECHO env-loss coefficient (0 = plain GRPO)")
+        s.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+        s.add_argument("--no-progress", action="store_true", help="no progress bar")
+        s.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="override any config value, e.g. --set rl.group_size=4",
+        )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    overrides = list(args.set)
+    for flag, key in (
+        ("backend", "run.backend"),
+        ("name", "run.name"),
+        ("output_dir", "run.output_dir"),
+        ("seed", "run.seed"),
+        ("sft_steps", "sft.steps"),
+        ("rl_steps", "rl.steps"),
+        ("checkpoint_interval", "checkpoint.interval"),
+        ("env_coef", "rl.env_coef"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+    if args.command == "sft":
+        overrides.append("rl.steps=0")
+    try:
+        cfg = load_config(args.config or DEFAULT_CONFIG, overrides)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from runner.train import run
+
+    try:
+        result = run(cfg, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty())
+    except (ValueError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _summary(result)
+    return 0
+
+
+def _summary(result) -> None:
+    recs = result.metrics
+    evals = [(r["step"], r["eval_reward"]) for r in recs if "eval_reward" in r]
+    rl = [r for r in recs if r.get("phase") == "rl"]
+    print(f"run directory: {result.run_dir}")
+    if evals:
+        print(
+            "eval reward (greedy, 32 held-out problems): "
+            + ", ".join(f"step {s}: {v:.3f}" for s, v in evals)
+        )
+    if rl:
+        k = max(1, len(rl) // 5)
+        first = sum(r["reward"] for r in rl[:k]) / k
+        last = sum(r["reward"] for r in rl[-k:]) / k
+        print(f"train reward: first {k} RL steps {first:.3f} -> last {k} RL steps {last:.3f}")
+    print(f"metrics: {result.run_dir / 'metrics.jsonl'}  plot: {result.run_dir / 'plot.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

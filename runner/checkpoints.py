@@ -1,0 +1,165 @@
+"""Run-level checkpoints: resumable state + run state + optional promotable weights, a manifest.
+
+Layout under ``runs/<name>/checkpoints/`` (after reference/sft-translation.md §7)::
+
+    step_000010/manifest.json   identities of the resumable state and the promotable weights
+                                (recorded separately), the run state (step, phase, config
+                                identity) and the data/RNG position
+    latest                      "10" — written LAST, atomically: the newest complete checkpoint
+
+A checkpoint is *resumable* (weights + optimizer state + run state) and optionally *promotable*
+(inference-formatted weights only). Every file is written to a temporary sibling and renamed, so
+a crash leaves either the old or the new file, never a torn one. A resume that cannot resolve the
+exact identity of the resumable state fails closed (`CheckpointError`), never silently starts
+over or picks another checkpoint.
+
+Backends may implement ``save_resumable(name) -> dict`` / ``load_resumable(identity, *,
+with_optimizer)`` and ``save_promotable(name) -> dict`` to record richer identities (Fireworks
+resolves the control-plane row); otherwise the `Trainer` protocol's ``save_state`` /
+``load_state`` / ``save_weights_for_sampler`` are used and the returned reference is the identity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or resumed exactly (fail closed)."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` via a temporary sibling, fsync and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, sort_keys=True, indent=2) + "\n")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def save_resumable(trainer: Any, name: str) -> dict[str, Any]:
+    """The backend's resumable-state identity after saving it under ``name``."""
+    if hasattr(trainer, "save_resumable"):
+        return dict(trainer.save_resumable(name))
+    ref = trainer.save_state(name)
+    if not ref:
+        raise CheckpointError(f"save_state({name!r}) returned an empty reference")
+    return {"checkpoint_name": name, "provider_path": str(ref)}
+
+
+def save_promotable(trainer: Any, name: str) -> dict[str, Any]:
+    if hasattr(trainer, "save_promotable"):
+        return dict(trainer.save_promotable(name))
+    ref = trainer.save_weights_for_sampler(name)
+    if not ref:
+        raise CheckpointError(f"save_weights_for_sampler({name!r}) returned an empty reference")
+    return {"snapshot_name": name, "snapshot_path": str(ref)}
+
+
+def load_resumable(trainer: Any, identity: dict[str, Any], *, with_optimizer: bool = True) -> None:
+    if hasattr(trainer, "load_resumable"):
+        trainer.load_resumable(identity, with_optimizer=with_optimizer)
+        return
+    ref = identity.get("provider_path")
+    if not ref:
+        raise CheckpointError(
+            "checkpoint manifest has no resolved identity for the resumable state "
+            "(provider_path is missing): refusing to resume from an unknown checkpoint"
+        )
+    trainer.load_state(ref, with_optimizer=with_optimizer)
+
+
+def write_checkpoint(
+    root: Path,
+    trainer: Any,
+    *,
+    step: int,
+    run_state: dict[str, Any],
+    backend: str,
+    promotable: bool,
+    prefix: str = "foldloss",
+) -> dict[str, Any]:
+    """Saves state for ``step`` and returns the manifest. Order: resumable state, promotable
+    weights, manifest, then the ``latest`` marker (written last)."""
+    d = step_dir(root, step)
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"{prefix}-step-{step}"
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "backend": backend,
+        "resumable": save_resumable(trainer, name),
+        "includes_optimizer_state": True,
+        "promotable": save_promotable(trainer, name) if promotable else None,
+        "run_state": run_state,
+    }
+    atomic_write_json(d / "manifest.json", manifest)
+    atomic_write_text(root / "latest", f"{step}\n")
+    return manifest
+
+
+def latest_step(root: Path) -> int | None:
+    """The step in the ``latest`` marker, or None when there is no checkpoint yet."""
+    marker = root / "latest"
+    if not marker.exists():
+        return None
+    text = marker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{marker} is corrupt: expected a step number, got {text!r}")
+    return int(text)
+
+
+def read_manifest(root: Path, step: int) -> dict[str, Any]:
+    """Reads and validates the manifest of ``step`` (fail closed on anything unexpected)."""
+    path = step_dir(root, step) / "manifest.json"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint manifest not found: {path}")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint manifest {path} is not valid JSON: {exc}") from exc
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint manifest {path} has format_version {manifest.get('format_version')!r}, "
+            f"expected {FORMAT_VERSION}"
+        )
+    if manifest.get("step") != step:
+        raise CheckpointError(f"checkpoint manifest {path} records step {manifest.get('step')!r}")
+    resumable = manifest.get("resumable")
+    if not isinstance(resumable, dict) or not resumable.get("checkpoint_name"):
+        raise CheckpointError(
+            f"checkpoint manifest {path} has no resolved identity for its resumable state"
+        )
+    if not isinstance(manifest.get("run_state"), dict):
+        raise CheckpointError(f"checkpoint manifest {path} has no run_state")
+    return manifest
+
+
+def check_marker_consistency(root: Path, latest: int, interval: int) -> None:
+    """A step directory far beyond the marker means the marker is stale (sft-translation §7.5)."""
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and interval > 0 and int(m.group(1)) > latest + interval:
+            raise CheckpointError(
+                f"checkpoint directory {child.name} is more than {interval} steps past the latest "
+                f"marker ({latest}): refusing to guess which checkpoint is current"
+            )

@@ -1,0 +1,54 @@
+"""The run's plot: reward and environment-token NLL over steps (PNG, matplotlib Agg)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _series(records, key):
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, int | float) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def plot_metrics(records: list[dict[str, Any]], path: Path) -> Path:
+    """Writes ``path`` (atomically): reward / eval reward, and env NLL / SFT NLL, over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_n) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for key, label, style in (
+        ("reward", "train reward (RL)", "-"),
+        ("eval_reward", "eval reward (greedy)", "o--"),
+    ):
+        xs, ys = _series(records, key)
+        if xs:
+            ax_r.plot(xs, ys, style, label=label)
+    ax_r.set_ylabel("reward")
+    ax_r.set_ylim(-0.05, 1.05)
+    ax_r.legend(loc="lower right")
+    ax_r.grid(alpha=0.3)
+    for key, label in (("env_nll", "env-token NLL (ECHO)"), ("sft/nll", "SFT NLL")):
+        xs, ys = _series(records, key)
+        if xs:
+            ax_n.plot(xs, ys, label=label)
+    ax_n.set_ylabel("NLL per token")
+    ax_n.set_xlabel("step")
+    ax_n.legend(loc="upper right")
+    ax_n.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=80)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,331 @@
+"""The main job: SFT warm-up on expert demonstrations, then GRPO + ECHO on the calculator task.
+
+One global step counter spans both phases (steps ``1..sft.steps`` are SFT, the rest RL). Every
+random choice of step ``k`` (its problems, its sampling seed) is derived from ``(seed, k)``, so a
+run resumed from the checkpoint of step ``N`` continues at ``N + 1`` exactly as the uninterrupted
+run would have: the only state is the trainer's (weights + optimizer, restored exactly) and ``N``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import losses
+from runner import checkpoints as ckpt
+from runner._step import StepRunner
+from runner._types import AdamParams, Seq
+from runner.config import Config, rl_loss
+from runner.env import CalcEnv, expert_sft_example, rollout, tokenizer, trajectory_to_seq
+from runner.sft import collate_sft, translate_sft_batch
+
+EVAL_PROBLEMS = 32
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_dir: Path
+    last_step: int
+    metrics: list[dict[str, Any]]
+
+
+def make_env(cfg: Config) -> CalcEnv:
+    e = cfg.env
+    return CalcEnv(
+        seed=cfg.run.seed, max_operand=e.max_operand, num_ops=e.num_ops, max_turns=e.max_turns
+    )
+
+
+def make_trainer(cfg: Config, run_dir: Path) -> Any:
+    """The configured backend's trainer (``local`` by default)."""
+    if cfg.run.backend == "local":
+        from runner.local import LocalTrainer, LocalTrainerConfig
+
+        m = cfg.model
+        return LocalTrainer(
+            LocalTrainerConfig(
+                vocab_size=tokenizer.VOCAB_SIZE,
+                d_model=m.d_model,
+                n_layers=m.n_layers,
+                n_heads=m.n_heads,
+                d_ff=m.d_ff,
+                max_seq_len=m.max_seq_len,
+                seed=cfg.run.seed,
+                checkpoint_dir=str(run_dir / "trainer"),
+            )
+        )
+    from runner.fireworks import make_trainer as make_fireworks_trainer
+
+    return make_fireworks_trainer(cfg, run_dir)
+
+
+def _rng(cfg: Config, *key: int) -> np.random.Generator:
+    return np.random.default_rng([cfg.run.seed, *key])
+
+
+def _adam(cfg: Config, lr: float) -> AdamParams:
+    o = cfg.optim
+    return AdamParams(
+        learning_rate=lr,
+        beta1=o.beta1,
+        beta2=o.beta2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        grad_clip_norm=o.grad_clip_norm,
+    )
+
+
+def sft_step(cfg: Config, trainer: Any, env: CalcEnv, step: int) -> dict[str, float]:
+    """One SFT step through the SFT translation path (collate → translate → cross_entropy)."""
+    rng = _rng(cfg, 1, step)
+    examples = [expert_sft_example(env, env.sample_problem(rng)) for _ in range(cfg.sft.batch_size)]
+    sequences, attention, loss_mask = collate_sft(examples, pad_id=tokenizer.PAD_ID)
+    seqs = translate_sft_batch(sequences, attention, loss_mask, max_seq_len=cfg.model.max_seq_len)
+    result = trainer.forward_backward(seqs, "cross_entropy")
+    opt = trainer.optim_step(_adam(cfg, cfg.sft.learning_rate), "none")
+    tokens = sum(s.num_targets for s in seqs)
+    return {
+        "sft/nll": float(result.metrics["loss:sum"]),  # weights sum to 1: per-token mean NLL
+        "tokens": float(tokens),
+        "passes/forwards": 1.0,
+        "passes/backwards": 1.0,
+        **{f"optim/{k}": float(v) for k, v in opt.items()},
+    }
+
+
+def rl_seqs(cfg: Config, groups) -> tuple[list[Seq], np.ndarray]:
+    """Trajectories → `Seq`s with per-token advantages on action tokens; and the rewards."""
+    rewards = np.array([t.reward for g in groups for t in g], dtype=np.float64)
+    adv = np.asarray(
+        losses.group_advantages(
+            rewards, group_size=cfg.rl.group_size, estimator=cfg.rl.advantage_estimator
+        )
+    )
+    seqs = []
+    for a, traj in zip(adv, (t for g in groups for t in g), strict=True):
+        s = trajectory_to_seq(traj)
+        inputs = dict(s.inputs)
+        inputs["advantages"] = float(a) * inputs["action_mask"]
+        seqs.append(Seq(s.tokens, inputs))
+    return seqs, rewards
+
+
+def rl_step(
+    cfg: Config, trainer: Any, env: CalcEnv, step: int, runner: StepRunner, reference: Any = None
+) -> dict[str, float]:
+    """Sample groups → rewards → group advantages → one planned step of fold(grpo, echo_env)."""
+    rng = _rng(cfg, 2, step)
+    problems = [env.sample_problem(rng) for _ in range(cfg.rl.problems_per_step)]
+    groups = rollout(
+        trainer,
+        env,
+        problems,
+        group_size=cfg.rl.group_size,
+        max_tokens_per_turn=cfg.env.max_tokens_per_turn,
+        temperature=cfg.rl.temperature,
+        seed=int(rng.integers(2**31)),
+        max_seq_len=cfg.model.max_seq_len,
+    )
+    seqs, rewards = rl_seqs(cfg, groups)
+    extra_forwards = 0
+    if reference is not None:
+        ref = reference.forward([s.with_inputs() for s in seqs])
+        extra_forwards = 1
+        seqs = [
+            Seq(
+                s.tokens,
+                dict(s.inputs, ref_logprobs=np.asarray(r, np.float64) * s.inputs["action_mask"]),
+            )
+            for s, r in zip(seqs, ref, strict=True)
+        ]
+    metrics = runner.step(
+        trainer, seqs, _adam(cfg, cfg.rl.learning_rate), num_microbatches=cfg.rl.num_microbatches
+    )
+    metrics["passes/forwards"] += extra_forwards
+    trajs = [t for g in groups for t in g]
+    metrics.update(
+        {
+            "reward": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "turns": float(np.mean([t.num_turns for t in trajs])),
+            "tokens": float(sum(s.num_targets for s in seqs)),
+        }
+    )
+    if metrics.get("echo_env/num_obs_tokens", 0.0) > 0:  # NLL per observation token, if any
+        metrics["env_nll"] = float(metrics["echo_env/nll"])
+    return metrics
+
+
+def evaluate(cfg: Config, trainer: Any, env: CalcEnv) -> float:
+    """Greedy reward on a fixed set of held-out problems (same set at every evaluation)."""
+    rng = _rng(cfg, 3)
+    problems = [env.sample_problem(rng) for _ in range(EVAL_PROBLEMS)]
+    groups = rollout(
+        trainer,
+        env,
+        problems,
+        group_size=1,
+        max_tokens_per_turn=cfg.env.max_tokens_per_turn,
+        temperature=0.0,
+        seed=0,
+        max_seq_len=cfg.model.max_seq_len,
+    )
+    return float(np.mean([g[0].reward for g in groups]))
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per step, appended and flushed."""
+
+    def __init__(self, path: Path, resume_after: int | None):
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        if resume_after is not None and path.exists():
+            # Drop lines of steps after the checkpoint (written before an interruption).
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    if rec.get("step", 0) <= resume_after:
+                        self.records.append(rec)
+        ckpt.atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+def _reference_trainer(cfg: Config, trainer: Any, run_dir: Path) -> Any:
+    """A frozen copy of the policy at the start of RL, for the KL penalty (local backend)."""
+    if cfg.run.backend != "local":
+        raise ValueError(
+            "[rl].kl_coef > 0 needs a reference model; it is supported on the local backend only"
+        )
+    ref_path = run_dir / "reference.safetensors"
+    if not ref_path.exists():  # on resume the saved reference is reused
+        shutil.copyfile(trainer.save_weights_for_sampler("reference"), ref_path)
+    reference = make_trainer(cfg, run_dir / "reference_trainer")
+    reference.load_weights(str(ref_path))
+    return reference
+
+
+def run(
+    cfg: Config,
+    *,
+    resume: bool = False,
+    trainer: Any = None,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    progress: bool = True,
+) -> RunResult:
+    """Runs (or resumes) the main job; returns the metrics of every step.
+
+    Args:
+      cfg: the validated `Config`.
+      resume: continue from the latest checkpoint of ``runs/<name>`` (fail closed if there is
+        none, if it cannot be resolved, or if the config changed what the run computes).
+      trainer: an already-built trainer (tests; the Fireworks fake); default: `make_trainer`.
+      on_step: callback after each step's metrics are written.
+      progress: show a rich progress bar.
+    """
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    ckpt_root = run_dir / "checkpoints"
+    start = 1
+    manifest = None
+    if resume:
+        latest = ckpt.latest_step(ckpt_root)
+        if latest is None:
+            raise ckpt.CheckpointError(
+                f"--resume: no checkpoint in {ckpt_root} (no 'latest' marker)"
+            )
+        ckpt.check_marker_consistency(ckpt_root, latest, cfg.checkpoint.interval)
+        manifest = ckpt.read_manifest(ckpt_root, latest)
+        saved = manifest["run_state"].get("config_identity")
+        if saved != cfg.identity():
+            raise ckpt.CheckpointError(
+                f"--resume: the config differs from the checkpointed run's (identity {saved} vs "
+                f"{cfg.identity()}); only step counts, names and checkpoint settings may change"
+            )
+        if manifest["backend"] != cfg.run.backend:
+            raise ckpt.CheckpointError(
+                f"--resume: the checkpoint was written by backend {manifest['backend']!r}, not "
+                f"{cfg.run.backend!r}"
+            )
+        start = latest + 1
+    elif (ckpt_root / "latest").exists() or (run_dir / "metrics.jsonl").exists():
+        raise ValueError(
+            f"run directory {run_dir} already holds a run: pass --resume to continue it or choose "
+            "another --name"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+    trainer = trainer if trainer is not None else make_trainer(cfg, run_dir)
+    if manifest is not None:
+        ckpt.load_resumable(trainer, manifest["resumable"], with_optimizer=True)
+    env = make_env(cfg)
+    log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
+    step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
+    reference = None
+    total = cfg.total_steps
+
+    from runner.plot import plot_metrics
+    from runner.progress import Progress  # rich is optional at import time
+
+    def checkpoint(step: int) -> None:
+        run_state = {
+            "step": step,
+            "phase": "sft" if step <= cfg.sft.steps else "rl",
+            "config_identity": cfg.identity(),
+            "seed": cfg.run.seed,
+            "data_position": step,
+        }
+        ckpt.write_checkpoint(
+            ckpt_root,
+            trainer,
+            step=step,
+            run_state=run_state,
+            backend=cfg.run.backend,
+            promotable=cfg.checkpoint.save_promotable,
+        )
+        plot_metrics(log.records, run_dir / "plot.png")
+
+    with Progress(total=total, start=start - 1, enabled=progress) as bar:
+        if start == 1:
+            log.append(
+                {
+                    "step": 0,
+                    "phase": "eval",
+                    "eval_reward": evaluate(cfg, trainer, env),
+                    "time": time.time(),
+                }
+            )
+        for step in range(start, total + 1):
+            t0 = time.perf_counter()
+            if step <= cfg.sft.steps:
+                metrics = sft_step(cfg, trainer, env, step)
+                phase = "sft"
+            else:
+                if reference is None and cfg.rl.kl_coef > 0:
+                    reference = _reference_trainer(cfg, trainer, run_dir)
+                metrics = rl_step(cfg, trainer, env, step, step_runner, reference)
+                phase = "rl"
+            elapsed = time.perf_counter() - t0
+            metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
+            metrics["step_time_s"] = elapsed
+            if step == cfg.sft.steps or step == total:
+                metrics["eval_reward"] = evaluate(cfg, trainer, env)
+            record = {"step": step, "phase": phase, "time": time.time(), **metrics}
+            log.append(record)
+            bar.update(step, record)
+            interval = cfg.checkpoint.interval
+            if (interval and step % interval == 0) or step == total:
+                checkpoint(step)
+            if on_step is not None:
+                on_step(step, record)
+    return RunResult(run_dir=run_dir, last_step=total, metrics=log.records)
