@@ -265,15 +265,13 @@ class LocalTrainer:
     # -- padding ----------------------------------------------------------------------------
 
     def _pad(self, seqs: Sequence[Seq]):
-        n_targets = [s.num_targets for s in seqs]
-        width = length_bucket(max(n_targets), self.config.max_seq_len)
+        lengths = np.fromiter((s.tokens.shape[0] for s in seqs), np.int32, len(seqs))
+        width = length_bucket(int(lengths.max()) - 1, self.config.max_seq_len)
         rows = row_bucket(len(seqs), self.num_devices, self.MIN_ROWS)
-        tokens = np.zeros((rows, width + 1), np.int32)
-        lengths = np.zeros((rows,), np.int32)
-        for i, s in enumerate(seqs):
-            tokens[i, : s.tokens.shape[0]] = s.tokens
-            lengths[i] = s.tokens.shape[0]
-        return tokens, lengths, rows, width
+        tokens = kernels.pad_ragged([s.tokens for s in seqs], rows, width + 1, np.int32)
+        padded_lengths = np.zeros((rows,), np.int32)
+        padded_lengths[: len(seqs)] = lengths
+        return tokens, padded_lengths, rows, width
 
     def _validate(self, seqs: Sequence[Seq], required: Sequence[str] = ()) -> None:
         if isinstance(seqs, Seq) or not isinstance(seqs, Sequence):
@@ -301,7 +299,7 @@ class LocalTrainer:
         lp = fn(self._params, self._put_rows(tokens), self._put_rows(lengths))
         lp = np.asarray(jax.device_get(lp), np.float32)
         self.counters["forward"] += 1
-        return [lp[i, : s.num_targets].copy() for i, s in enumerate(seqs)]
+        return kernels.unpad(lp, [s.num_targets for s in seqs])
 
     # -- forward_backward -------------------------------------------------------------------
 
@@ -355,7 +353,7 @@ class LocalTrainer:
         out["num_sequences:sum"] = float(len(seqs))
         lp = np.asarray(jax.device_get(lp), np.float32)
         return ForwardBackwardResult(
-            logprobs=[lp[i, : s.num_targets].copy() for i, s in enumerate(seqs)], metrics=out
+            logprobs=kernels.unpad(lp, [s.num_targets for s in seqs]), metrics=out
         )
 
     # -- optim_step -------------------------------------------------------------------------
@@ -461,7 +459,9 @@ class LocalTrainer:
         arrays = self._check_prompts(prompts)
         num_samples = _check_int("num_samples", num_samples, 1)
         max_tokens = _check_int("max_tokens", max_tokens, 1)
-        seed = _check_int("seed", seed, None)
+        seed = _check_int("seed", seed, 0)
+        if seed >= 2**32:
+            raise ValueError(f"sample: seed must be < 2**32, got {seed}")
         if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
             raise ValueError(f"sample: temperature must be a number, got {temperature!r}")
         if not (math.isfinite(temperature) and temperature >= 0):
