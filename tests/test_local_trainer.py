@@ -634,3 +634,19 @@ def test_data_parallel_two_devices_match_one(tmp_path):
             np.testing.assert_allclose(one[key], two[key], rtol=1e-6, err_msg=key)
         else:
             np.testing.assert_allclose(one[key], two[key], rtol=1e-9, atol=1e-12, err_msg=key)
+
+
+def test_set_params():
+    a, b = make_trainer(), make_trainer(seed=1)
+    s = rand_seqs(np.random.default_rng(10), [6, 9])
+    b.forward_backward(s, "cross_entropy")
+    b.set_params(jax.device_get(a.params))
+    assert b.accumulated_grads() is None
+    for x, y in zip(a.forward(s), b.forward(s), strict=True):
+        np.testing.assert_array_equal(x, y)
+    bad = jax.device_get(a.params)
+    bad["embed"] = bad["embed"][:-1]
+    with pytest.raises(ValueError, match="'embed' has shape"):
+        b.set_params(bad)
+    with pytest.raises(ValueError, match="structure"):
+        b.set_params({"embed": bad["embed"]})

@@ -11,6 +11,12 @@ padded to a power of two ≥ 16 (capped at ``max_seq_len``) and the row count to
 multiple of the device count (≥ `LocalTrainer.MIN_ROWS`). Padded rows and positions are masked
 out exactly (their logprobs are 0, their kernel weights 0).
 
+One ``forward_backward`` is three jitted calls: the model forward returning ``(logprobs,
+pullback)`` (the `jax.vjp` pullback is a pytree of residuals), the kernel's ``value_and_grad`` on
+the logprobs (tiny; one compile per kernel config), and the pullback of ``dL/dlogprobs`` summed
+into the accumulator. That is 1 forward + 1 backward, exactly the chain rule of
+``jax.grad(term ∘ token_logprobs)``, and the model compiles once per bucket for all kernels.
+
 Data parallelism: a 1-D `jax.sharding.Mesh` over ``jax.devices()`` (axis ``"data"``); padded
 batch rows are sharded over it, parameters, optimizer state and the gradient accumulator are
 replicated, and XLA inserts the cross-device gradient sum. One or several devices give the same
@@ -70,7 +76,6 @@ def length_bucket(n: int, max_len: int) -> int:
 def row_bucket(n: int, num_devices: int, min_rows: int) -> int:
     """Padded row count: ``num_devices·2^k ≥ max(n, min_rows)``."""
     b = num_devices * max(1, -(-min_rows // num_devices))
-    b = num_devices if b < num_devices else b
     while b < n:
         b *= 2
     return b
@@ -246,6 +251,26 @@ class LocalTrainer:
           float[B, T-1] target logprobs.
         """
         return model.token_logprobs(params, tokens_BT, lengths_B, n_heads=self.config.n_heads)
+
+    def set_params(self, params: Params) -> None:
+        """Replaces the parameters (same structure, shapes and dtype); drops pending gradients.
+
+        Args:
+          params: a pytree like ``trainer.params`` (jax or numpy arrays).
+        """
+        mine = jax.tree_util.tree_structure(self._params)
+        if jax.tree_util.tree_structure(params) != mine:
+            raise ValueError("set_params: parameter tree structure differs from trainer.params")
+        for name, (x, y) in model.flatten(
+            jax.tree.map(lambda a, b: (a, b), params, self._params)
+        ).items():
+            if tuple(np.shape(x)) != tuple(y.shape) or np.result_type(x) != y.dtype:
+                raise ValueError(
+                    f"set_params: '{name}' has shape {np.shape(x)} / dtype {np.result_type(x)}, "
+                    f"expected {y.shape} / {y.dtype}"
+                )
+        self._params = jax.device_put(params, self._rep)
+        self.reset_grads()
 
     def accumulated_grads(self) -> Params | None:
         """The gradient accumulated since the last ``optim_step`` (``None`` if nothing was)."""
