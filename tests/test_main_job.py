@@ -1,0 +1,272 @@
+"""The main job end to end on a tiny config: outputs, kill-and-resume equivalence, fail-closed resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runner import checkpoints as ckpt
+from runner.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny.toml"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    # Share compiled executables between the subprocess runs of one test session.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp_path.parent / "jax-cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    return env
+
+
+def _cmd(out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "runner",
+        "train",
+        "--config",
+        str(TINY),
+        "--output-dir",
+        str(out),
+        "--no-progress",
+        "--checkpoint-interval",
+        "1",
+        "--set",
+        "checkpoint.save_promotable=true",
+        *extra,
+    ]
+
+
+def _final_weights(run_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    step = ckpt.latest_step(run_dir / "checkpoints")
+    manifest = ckpt.read_manifest(run_dir / "checkpoints", step)
+    return load_file(manifest["promotable"]["snapshot_path"])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = subprocess.run(_cmd(out), env=_env(out), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "tiny", proc.stdout
+
+
+def test_end_to_end_outputs_are_well_formed(uninterrupted):
+    run_dir, stdout = uninterrupted
+    cfg = load_config(TINY)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(0, cfg.total_steps + 1))
+    sft = [r for r in records if r["phase"] == "sft"]
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert len(sft) == cfg.sft.steps and len(rl) == cfg.rl.steps
+    for r in sft:
+        assert (
+            np.isfinite(r["sft/nll"]) and r["passes/forwards"] == 1 and r["passes/backwards"] == 1
+        )
+    for r in rl:
+        for key in (
+            "reward",
+            "grpo/loss",
+            "echo_env/nll",
+            "passes/forwards",
+            "passes/backwards",
+            "tokens_per_s",
+            "optim/grad_norm",
+        ):
+            assert key in r and np.isfinite(r[key]), key
+        assert 0.0 <= r["reward"] <= 1.0
+        # ECHO on: one fused client pass = 1 forward + 1 forward/backward.
+        assert r["plan/client"] == 1.0 and (r["passes/forwards"], r["passes/backwards"]) == (2, 1)
+    assert sft[-1]["sft/nll"] < sft[0]["sft/nll"]
+    png = (run_dir / "plot.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    assert ckpt.latest_step(run_dir / "checkpoints") == cfg.total_steps
+    for step in range(1, cfg.total_steps + 1):
+        m = ckpt.read_manifest(run_dir / "checkpoints", step)
+        assert m["run_state"]["step"] == step and m["includes_optimizer_state"]
+        assert Path(m["resumable"]["provider_path"]).exists()
+        assert Path(m["promotable"]["snapshot_path"]).exists()
+        assert m["resumable"]["provider_path"] != m["promotable"]["snapshot_path"]
+    assert "eval reward" in stdout and "run directory" in stdout
+
+
+def test_kill_and_resume_matches_the_uninterrupted_run(uninterrupted, tmp_path):
+    run_dir, _ = uninterrupted
+    cfg = load_config(TINY)
+    kill_at = cfg.sft.steps + 1  # inside RL: sampling, rollouts and ECHO all resume exactly
+    proc = subprocess.Popen(
+        _cmd(tmp_path), env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    marker = tmp_path / "tiny" / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if marker.exists() and marker.read_text().strip() and int(marker.read_text()) >= kill_at:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before it could be killed: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = ckpt.latest_step(tmp_path / "tiny" / "checkpoints")
+    assert killed_at < cfg.total_steps, "the run finished before the kill"
+    resumed = subprocess.run(
+        _cmd(tmp_path, "--resume"), env=_env(tmp_path), capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [
+        json.loads(line) for line in (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [r["step"] for r in records]
+    assert (
+        steps == sorted(set(steps)) == list(range(0, cfg.total_steps + 1))
+    )  # none twice or skipped
+    a, b = _final_weights(run_dir), _final_weights(tmp_path / "tiny")
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    ref = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r0, r1 in zip(ref, records, strict=True):
+        if r0["phase"] == "rl":
+            assert r0["reward"] == r1["reward"]  # the same samples, step for step
+
+
+def test_resume_fails_closed(tmp_path, uninterrupted):
+    from runner.train import run
+
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"'])
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint"):
+        run(cfg, resume=True, progress=False)
+    # A copy of the finished run's checkpoints, then break them one way at a time.
+    import shutil
+
+    shutil.copytree(uninterrupted[0], tmp_path / "tiny")
+    root = tmp_path / "tiny" / "checkpoints"
+    step = ckpt.latest_step(root)
+    manifest_path = ckpt.step_dir(root, step) / "manifest.json"
+    good = json.loads(manifest_path.read_text())
+
+    broken = dict(good, resumable={"checkpoint_name": "x"})  # no resolvable path
+    manifest_path.write_text(json.dumps(broken))
+    with pytest.raises(ckpt.CheckpointError, match="no resolved identity"):
+        run(cfg, resume=True, progress=False)
+
+    manifest_path.write_text(json.dumps(dict(good, resumable={})))
+    with pytest.raises(ckpt.CheckpointError, match="no resolved identity"):
+        run(cfg, resume=True, progress=False)
+
+    manifest_path.write_text("{not json")
+    with pytest.raises(ckpt.CheckpointError, match="not valid JSON"):
+        run(cfg, resume=True, progress=False)
+
+    manifest_path.write_text(json.dumps(dict(good, format_version=7)))
+    with pytest.raises(ckpt.CheckpointError, match="format_version"):
+        run(cfg, resume=True, progress=False)
+
+    manifest_path.write_text(json.dumps(good))
+    changed = load_config(TINY, [f'run.output_dir="{tmp_path}"', "rl.clip_high=0.5"])
+    with pytest.raises(ckpt.CheckpointError, match="config differs"):
+        run(changed, resume=True, progress=False)
+
+    (root / "latest").write_text("banana")
+    with pytest.raises(ckpt.CheckpointError, match="corrupt"):
+        run(cfg, resume=True, progress=False)
+
+    (root / "latest").write_text("1\n")  # stale marker: later step directories exist
+    with pytest.raises(ckpt.CheckpointError, match="more than 2 steps past the latest marker"):
+        run(cfg, resume=True, progress=False)
+
+    (root / "latest").write_text(f"{step}\n")
+    manifest_path.unlink()
+    with pytest.raises(ckpt.CheckpointError, match="manifest not found"):
+        run(cfg, resume=True, progress=False)
+
+    with pytest.raises(ValueError, match="already holds a run"):
+        run(cfg, resume=False, progress=False)
+
+
+def test_cli_reports_config_errors(tmp_path):
+    env = _env(tmp_path)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "train",
+            "--config",
+            str(TINY),
+            "--set",
+            "rl.group_size=1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "[rl].group_size must be >= 2" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "runner", "train", "--config", str(TINY), "--set", "rl.nope=1"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "unknown key [rl].nope" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "runner", "train", "--config", str(tmp_path / "x.toml")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "config file not found" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rl.clip_low=1.5"], r"config \[rl\]: grpo: clip_low must be < 1"),
+        (["rl.env_coef=-1"], r"echo_env: coef must be >= 0"),
+        (['rl.reduction="mean"'], "unknown reduction 'mean'"),
+        (["model.d_model=31"], "divisible by"),
+        (['run.backend="gpu"'], "backend must be"),
+        (['run.name="a/b"'], r"\[run\].name must match"),
+        (["sft.steps=0", "rl.steps=0"], "must be > 0"),
+        (["optim.beta2=1.0"], r"AdamParams.beta2 must be in"),
+        (["sft.batch_size=true"], "must be an integer"),
+        (["nosuch.key=1"], r"unknown section \[nosuch\]"),
+    ],
+)
+def test_config_validation_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(TINY, overrides)
+
+
+def test_env_coef_zero_is_plain_grpo_on_the_builtin_kernel(tmp_path):
+    from runner.train import run
+
+    cfg = load_config(
+        TINY,
+        [
+            f'run.output_dir="{tmp_path}"',
+            "rl.env_coef=0.0",
+            "sft.steps=1",
+            "rl.steps=1",
+            "checkpoint.interval=0",
+        ],
+    )
+    result = run(cfg, progress=False)
+    rl = [r for r in result.metrics if r.get("phase") == "rl"]
+    assert rl and rl[0]["plan/builtin"] == 1.0
+    assert (rl[0]["passes/forwards"], rl[0]["passes/backwards"]) == (1, 1)
+    assert rl[0]["loss"] == pytest.approx(rl[0]["server_loss"], rel=1e-4, abs=1e-6)
