@@ -20,8 +20,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import losses
-from runner import AdamParams, Seq, Trainer
-from runner.local import LocalTrainer, LocalTrainerConfig, length_bucket, model, row_bucket
+from runner import BUILTIN_LOSSES, AdamParams, Seq, Trainer
+from runner.local import (
+    KERNELS,
+    LocalTrainer,
+    LocalTrainerConfig,
+    kernels,
+    length_bucket,
+    model,
+    row_bucket,
+)
 from runner.local.trainer import TRACE_COUNTS
 
 V, MAX_LEN = 16, 32
@@ -40,6 +48,10 @@ KERNEL_CASES = [
     ("cispo", {}),
     ("cispo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.3}),
     ("dro", {"beta": 0.3}),
+    # Fireworks-only kernels with inferred formulas (named by losses.builtin_twin)
+    ("dapo", {"eps_clip_c": 2.0}),
+    ("gspo", {"clip_low_threshold": 0.9, "seq_ratio_log_cap": 0.5}),
+    ("dppo", {"divergence": "binary_kl", "threshold": 0.05}),
 ]
 
 
@@ -70,12 +82,10 @@ def term_for(kernel: str, cfg: dict) -> losses.Term:
     if kernel == "dro":
         return losses.dro(beta=cfg.get("beta", 0.05), reduction="token_sum")
     mlr = cfg.pop("ratio_log_cap", 20.0)
-    ctor = {"importance_sampling": losses.importance_sampling, "ppo": losses.ppo}.get(kernel)
-    if kernel == "cispo":
+    if kernel == "cispo":  # the Tinker tutorial's defaults
         cfg.setdefault("clip_low_threshold", 0.0)
         cfg.setdefault("clip_high_threshold", 4.0)
-        ctor = losses.cispo
-    return ctor(reduction="token_sum", max_log_ratio=mlr, **cfg)
+    return getattr(losses, kernel)(reduction="token_sum", max_log_ratio=mlr, **cfg)
 
 
 def ref_batch(kernel, seqs):
@@ -142,6 +152,21 @@ def test_protocol_and_config_defaults():
         LocalTrainerConfig(d_model=30, n_heads=4)
     with pytest.raises(ValueError, match="dtype"):
         LocalTrainerConfig(dtype="bfloat16")
+
+
+def test_kernel_table_covers_builtin_losses_and_twins():
+    assert set(BUILTIN_LOSSES) <= set(KERNELS)
+    for term in (
+        losses.grpo(clip_low=0.2, clip_high=0.28),
+        losses.grpo(dual_clip=3.0),
+        losses.cispo(),
+        losses.gspo(),
+        losses.dppo(),
+        losses.dro(reduction="token_sum"),
+    ):
+        name, cfg = losses.builtin_twin(term)
+        assert name in KERNELS
+        kernels.resolve(name, cfg)  # the twin's config is accepted as is
 
 
 def test_buckets():
@@ -491,6 +516,9 @@ BAD_FB = [
     ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "ppo", {"clip_low_threshold": 1.5}, "clip_low_threshold"),
     ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "ppo", {"ratio_log_cap": 0}, "ratio_log_cap"),
     ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "dro", {"ratio_log_cap": 5}, "ratio_log_cap"),
+    ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "dppo", {"divergence": 1.0}, "divergence"),
+    ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "dppo", {"divergence": "l2"}, "divergence"),
+    ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "ppo", {"clip_low_threshold": "0.8"}, "must be a number"),
     ([_seq(weights=np.array([1.0, np.nan, 0, 0]))], "cross_entropy", None, r"sequence 0.*'weights'.*non-finite.*target 1"),
     ([_seq(weights=np.ones(4)), _seq(weights=np.array([0, 0, np.inf, 0]))], "cross_entropy", None, r"sequence 1.*'weights'.*non-finite"),
     ([Seq(np.array([1, 2, 99]), {"weights": np.ones(2)})], "cross_entropy", None, r"sequence 0.*token 99.*vocabulary"),

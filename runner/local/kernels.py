@@ -1,23 +1,31 @@
 """Built-in kernels of the local trainer, delegated to `losses` terms with ``token_sum``.
 
-Each Fireworks/Tinker kernel name maps to a `losses` constructor; the trainer builds a padded
-`losses.Batch` with ``action_mask = 1`` on every real target position of every sequence (0 on
-padding), so ``reduction="token_sum"`` is exactly the kernel's raw sum over all target tokens of
-all sequences (reference/fireworks-sdk.md §4):
+Each Fireworks/Tinker kernel name maps to the `losses` constructor of the same name; the trainer
+builds a padded `losses.Batch` with ``action_mask = 1`` on every real target position of every
+sequence (0 on padding), ``advantages`` and ``sampling_logprobs = q`` (or ``weights``), so
+``reduction="token_sum"`` is exactly the kernel's raw sum over all target tokens of all sequences
+(reference/fireworks-sdk.md §4):
 
-=======================  ==============================  =========================================
-kernel                   Seq inputs (length N-1)         ``loss_fn_config`` keys (defaults)
-=======================  ==============================  =========================================
-``cross_entropy``        ``weights`` (any sign)          —
+=======================  ================================  =======================================
+kernel                   Seq inputs (length N-1)           ``loss_fn_config`` keys (defaults)
+=======================  ================================  =======================================
+``cross_entropy``        ``weights`` (any sign)            —
 ``importance_sampling``  ``logprobs`` (q), ``advantages``  ``ratio_log_cap`` (20)
-``ppo``                  ``logprobs``, ``advantages``    ``clip_low_threshold`` (0.8),
-                                                         ``clip_high_threshold`` (1.2),
-                                                         ``ratio_log_cap`` (20)
-``cispo``                ``logprobs``, ``advantages``    ``clip_low_threshold`` (0.0),
-                                                         ``clip_high_threshold`` (4.0),
-                                                         ``ratio_log_cap`` (20)
-``dro``                  ``logprobs``, ``advantages``    ``beta`` (0.05)
-=======================  ==============================  =========================================
+``ppo``                  ``logprobs``, ``advantages``      ``clip_low_threshold`` (0.8),
+                                                           ``clip_high_threshold`` (1.2),
+                                                           ``ratio_log_cap`` (20)
+``cispo``                ``logprobs``, ``advantages``      ``clip_low_threshold`` (0.0),
+                                                           ``clip_high_threshold`` (4.0),
+                                                           ``ratio_log_cap`` (20)
+``dro``                  ``logprobs``, ``advantages``      ``beta`` (0.05)
+=======================  ================================  =======================================
+
+Those are `runner.BUILTIN_LOSSES` (documented Tinker formulas). The Fireworks-only kernels whose
+formulas are *inferred* from the cookbook's client twins (``losses.builtin_twin`` may name them)
+are available too, as ``getattr(losses, name)(reduction="token_sum", **config)`` with the
+constructors' own defaults: ``dapo`` (``clip_low_threshold``, ``clip_high_threshold``,
+``eps_clip_c``, ``ratio_log_cap``), ``gspo`` (thresholds, ``seq_ratio_log_cap``,
+``ratio_log_cap``) and ``dppo`` (``divergence``, ``threshold``, ``ratio_log_cap``).
 
 Every kernel also accepts an optional ``target_tokens`` input, which must equal the sequence's
 own targets ``tokens[1:]``. ``ratio_log_cap`` is the clamp of ``p - q`` before ``exp`` (the terms'
@@ -34,17 +42,26 @@ from typing import Any
 import numpy as np
 
 import losses
-from runner._types import BUILTIN_LOSSES, Seq
+from runner._types import Seq
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """A built-in kernel: its inputs, config keys with defaults, and its `losses` term builder."""
+    """A built-in kernel: its inputs, config keys with defaults, and its `losses` term builder.
+
+    A default of ``None`` means the `losses` constructor's own default.
+    """
 
     name: str
     inputs: tuple[str, ...]
-    defaults: Mapping[str, float]
+    defaults: Mapping[str, Any]
     build: Callable[..., losses.Term]
+    formula: str = "documented"
+
+
+_RL_INPUTS = ("logprobs", "advantages")
+#: Config keys whose values are strings (all others are numbers).
+_STRING_KEYS = ("divergence",)
 
 
 def _policy(ctor):
@@ -54,36 +71,58 @@ def _policy(ctor):
     return build
 
 
+_THRESHOLDS_NONE = {"clip_low_threshold": None, "clip_high_threshold": None}
+
 KERNELS: dict[str, Kernel] = {
     "cross_entropy": Kernel(
         "cross_entropy", ("weights",), {}, lambda: losses.weighted_cross_entropy()
     ),
     "importance_sampling": Kernel(
         "importance_sampling",
-        ("logprobs", "advantages"),
+        _RL_INPUTS,
         {"ratio_log_cap": 20.0},
         _policy(losses.importance_sampling),
     ),
     "ppo": Kernel(
         "ppo",
-        ("logprobs", "advantages"),
+        _RL_INPUTS,
         {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "ratio_log_cap": 20.0},
         _policy(losses.ppo),
     ),
     "cispo": Kernel(
         "cispo",
-        ("logprobs", "advantages"),
+        _RL_INPUTS,
         {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0, "ratio_log_cap": 20.0},
         _policy(losses.cispo),
     ),
     "dro": Kernel(
         "dro",
-        ("logprobs", "advantages"),
+        _RL_INPUTS,
         {"beta": 0.05},
         lambda *, beta: losses.dro(beta=beta, reduction="token_sum"),
     ),
+    "dapo": Kernel(
+        "dapo",
+        _RL_INPUTS,
+        {**_THRESHOLDS_NONE, "eps_clip_c": None, "ratio_log_cap": 20.0},
+        _policy(losses.dapo),
+        formula="inferred",
+    ),
+    "gspo": Kernel(
+        "gspo",
+        _RL_INPUTS,
+        {**_THRESHOLDS_NONE, "seq_ratio_log_cap": 10.0, "ratio_log_cap": 20.0},
+        _policy(losses.gspo),
+        formula="inferred",
+    ),
+    "dppo": Kernel(
+        "dppo",
+        _RL_INPUTS,
+        {"divergence": "binary_tv", "threshold": None, "ratio_log_cap": 20.0},
+        _policy(losses.dppo),
+        formula="inferred",
+    ),
 }
-assert tuple(KERNELS) == BUILTIN_LOSSES
 
 #: Metric reductions (Fireworks ``name:reduction`` keys) of the terms' metrics; default ``mean``.
 _METRIC_REDUCTION = {
@@ -105,7 +144,7 @@ def resolve(loss_name: str, config: Mapping[str, Any] | None) -> tuple[Kernel, t
         ranges are checked by the `losses` constructor (eagerly, naming the key).
     """
     if not isinstance(loss_name, str) or loss_name not in KERNELS:
-        raise ValueError(f"unknown loss {loss_name!r}; expected one of {BUILTIN_LOSSES}")
+        raise ValueError(f"unknown loss {loss_name!r}; expected one of {tuple(KERNELS)}")
     kernel = KERNELS[loss_name]
     config = dict(config or {})
     unknown = sorted(set(config) - set(kernel.defaults))
@@ -116,18 +155,23 @@ def resolve(loss_name: str, config: Mapping[str, Any] | None) -> tuple[Kernel, t
         )
     full = dict(kernel.defaults)
     for key, value in config.items():
+        if key in _STRING_KEYS:
+            if not isinstance(value, str):
+                raise ValueError(f"{loss_name}: config '{key}' must be a string, got {value!r}")
+            full[key] = value
+            continue
         if isinstance(value, bool) or not isinstance(value, int | float | np.number):
             raise ValueError(f"{loss_name}: config '{key}' must be a number, got {value!r}")
         value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"{loss_name}: config '{key}' must be finite, got {value!r}")
         full[key] = value
-    if "ratio_log_cap" in full and not full["ratio_log_cap"] > 0:
+    if "ratio_log_cap" in full and not full["ratio_log_cap"] > 0:  # clearer than max_log_ratio
         raise ValueError(
             f"{loss_name}: config 'ratio_log_cap' must be > 0, got {full['ratio_log_cap']}"
         )
     frozen = tuple(sorted(full.items()))
-    kernel.build(**full)  # eager range validation by the losses constructor
+    kernel.build(**full)  # eager validation of values by the losses constructor
     return kernel, frozen
 
 
