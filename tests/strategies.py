@@ -66,3 +66,18 @@ SFT_CONFIGS = [
     dict(reduction=r, max_tokens=8 if r == "seq_mean_token_sum_norm" else None)
     for r in losses.REDUCTIONS
 ]
+
+
+@st.composite
+def policy_batches(draw, shapes=SHAPES, token_advantages=None, mismatch=True):
+    """`batches` whose sampling logprobs differ from the anchor ``old_logprobs`` (ρ ≠ 1).
+
+    ``old_logprobs`` stays as `batches` draws it (near ``logprobs``); ``sampling_logprobs`` is
+    ``min(old + U(-1, 1), 0)``, so a mismatch correction has something to correct.
+    """
+    lp, batch = draw(batches(shapes=shapes, token_advantages=token_advantages))
+    if mismatch:
+        old = np.asarray(batch.old_logprobs)
+        sampling = np.minimum(old + draw(_arr(old.shape, -1.0, 1.0)), 0.0)
+        batch = batch.replace(sampling_logprobs=sampling)
+    return lp, batch
