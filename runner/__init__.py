@@ -3,6 +3,7 @@
 from runner._client_loss import ClientLoss, PassCounter
 from runner._padding import normalizers
 from runner._step import MODES, Plan, StepRunner, plan_step
+from runner import env
 from runner._types import (
     BUILTIN_LOSSES,
     NORMALIZATIONS,
@@ -32,4 +33,12 @@ __all__ = [
     "Trainer",
     "make_seq",
     "validate_seqs",
+    "env",
+    "collate_sft",
+    "translate_sft_batch",
+    "LocalTrainer",
+    "LocalTrainerConfig",
 ]
+
+from runner.local import LocalTrainer, LocalTrainerConfig  # noqa: E402
+from runner.sft import collate_sft, translate_sft_batch  # noqa: E402

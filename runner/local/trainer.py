@@ -202,6 +202,8 @@ class LocalTrainer:
 
     #: Smallest padded row count of a forward/backward batch.
     MIN_ROWS = 8
+    #: Builtin kernels this trainer runs (the step planner reads this).
+    builtin_losses = tuple(kernels.KERNELS)
 
     def __init__(self, config: LocalTrainerConfig | None = None, **overrides: Any) -> None:
         cfg = config if config is not None else LocalTrainerConfig()
@@ -314,7 +316,7 @@ class LocalTrainer:
     # -- forward ----------------------------------------------------------------------------
 
     def forward(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
-        """Per-target logprobs of each sequence (float32[N-1]) at the current weights.
+        """Per-target logprobs of each sequence (float[N-1], the model dtype) at the current weights.
 
         Inputs attached to the sequences are validated but otherwise ignored.
         """
@@ -322,7 +324,7 @@ class LocalTrainer:
         tokens, lengths, _, _ = self._pad(seqs)
         fn = _forward_jit(self.config.n_heads, self._rows)
         lp = fn(self._params, self._put_rows(tokens), self._put_rows(lengths))
-        lp = np.asarray(jax.device_get(lp), np.float32)
+        lp = np.asarray(jax.device_get(lp), self.config.dtype)
         self.counters["forward"] += 1
         return kernels.unpad(lp, [s.num_targets for s in seqs])
 
@@ -345,7 +347,7 @@ class LocalTrainer:
           config: the kernel's ``loss_fn_config``.
 
         Returns:
-          `ForwardBackwardResult` with float32 logprobs per sequence and metrics ``loss:sum``,
+          `ForwardBackwardResult` with logprobs (model dtype) per sequence and metrics ``loss:sum``,
           the term's metrics as ``name:reduction`` keys, ``num_nonzero_grad_tokens:sum``,
           ``num_nonzero_grad_sequences:sum`` and ``num_sequences:sum``.
 
@@ -376,7 +378,7 @@ class LocalTrainer:
         out["num_nonzero_grad_tokens:sum"] = float(n_tok)
         out["num_nonzero_grad_sequences:sum"] = float(n_seq)
         out["num_sequences:sum"] = float(len(seqs))
-        lp = np.asarray(jax.device_get(lp), np.float32)
+        lp = np.asarray(jax.device_get(lp), self.config.dtype)
         return ForwardBackwardResult(
             logprobs=kernels.unpad(lp, [s.num_targets for s in seqs]), metrics=out
         )
