@@ -1,9 +1,9 @@
 """foldloss `runner`: drive `losses` terms against a trainer (local JAX or Fireworks)."""
 
+from runner import env
 from runner._client_loss import ClientLoss, PassCounter
 from runner._padding import normalizers
 from runner._step import MODES, Plan, StepRunner, plan_step
-from runner import env
 from runner._types import (
     BUILTIN_LOSSES,
     NORMALIZATIONS,
