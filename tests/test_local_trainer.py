@@ -201,7 +201,7 @@ def test_kernel_matches_losses_term_and_direct_grad(trainer, kernel, cfg, data_s
     np.testing.assert_allclose(result.metrics["loss:sum"], float(value), rtol=1e-10, atol=1e-12)
     assert_trees_close(trainer.accumulated_grads(), grads)
     for i, s in enumerate(seqs):
-        assert result.logprobs[i].dtype == np.float32
+        assert result.logprobs[i].dtype == np.dtype(trainer.config.dtype)  # the model dtype
         assert result.logprobs[i].shape == (s.num_targets,)
         np.testing.assert_allclose(
             result.logprobs[i], np.asarray(lp[i, : s.num_targets]), rtol=1e-6
