@@ -84,8 +84,11 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class FireworksConfig:
-    """Hosted-trainer settings (``--backend fireworks``). The API key is read from the
-    environment variable named by ``api_key_env`` and is never stored in the config."""
+    """Hosted-trainer settings (``--backend fireworks``; docs/fireworks.md). The API key is read
+    from the environment variable named by ``api_key_env`` and is never stored in the config.
+    ``trainer_job_id``/``deployment_id`` empty: the SDK provisions them. ``modality``: ``auto``
+    (vision-language models, detected by name, fail closed), ``text`` or ``vision``.
+    ``identity_timeout_s``: how long a checkpoint save polls the control plane for its row."""
 
     base_model: str = ""
     trainer_job_id: str = ""
@@ -95,6 +98,10 @@ class FireworksConfig:
     output_model_id: str = ""
     max_seq_len: int = 4096
     request_timeout_s: float = 3600.0
+    deployment_id: str = ""
+    modality: str = "auto"
+    delete_trainer_after_promotion: bool = True
+    identity_timeout_s: float = 90.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +287,10 @@ def validate(cfg: Config) -> None:
         weight_decay=cfg.optim.weight_decay,
         grad_clip_norm=cfg.optim.grad_clip_norm,
     )
+    if cfg.run.backend == "fireworks":
+        from runner.fireworks._validate import validate_static
+
+        validate_static(cfg)
 
 
 def rl_loss(cfg: Config):

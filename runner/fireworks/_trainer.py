@@ -1,0 +1,775 @@
+"""`FireworksTrainer`: a `runner.Trainer` on the Fireworks training SDK's ``FiretitanTrainingClient``.
+
+Passes (reference/fireworks-sdk.md §3.2): ``forward`` = 1F; ``forward_backward`` = 1F + 1B. A
+builtin-kernel step is one ``forward_backward``; a fused client step (`runner.ClientLoss`) is one
+``forward`` plus one linear ``cross_entropy`` ``forward_backward`` (1F + 1B when the caller passes
+a forward it already ran at the current weights). ``optim_step`` sends the SDK's explicit
+``GradAccNormalization.NONE`` for ``"none"``: the runner owns normalization.
+
+Sampling hot-loads the current weights into the trainer's deployment (``save_weights_for_sampler``
+then ``create_sampling_client``) once per weights version and samples each prompt with a
+deterministic per-prompt seed (`prompt_seed`).
+
+Checkpoints follow reference/sft-translation.md §7: `save_resumable` resolves the new DCP row
+against a control-plane listing taken before the save (under a lock), `load_resumable` resumes on
+the same trainer by name or across jobs through a ``cross_job://`` reference (failing closed on an
+unresolved identity), and `finalize` promotes the final weights and only then deletes the trainer.
+The API key is used to connect and never stored, logged or written.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fireworks.training.sdk import types
+from fireworks.training.sdk.client import GradAccNormalization
+
+from runner._types import NORMALIZATIONS, AdamParams, ForwardBackwardResult, Sample, Seq
+from runner.checkpoints import CheckpointError, atomic_write_json
+from runner.fireworks._controlplane import (
+    dns_label,
+    is_promotable_row,
+    is_resumable_row,
+    list_rows,
+    poll_new_rows,
+    short_name,
+)
+from runner.fireworks._convert import (
+    BUILTIN_LOSSES,
+    KERNEL_INPUTS,
+    ModelInputCache,
+    builtin_config,
+    output_logprobs,
+    to_datums,
+)
+from runner.fireworks._validate import api_key_from_env, check_text_only, validate_static
+
+log = logging.getLogger("runner.fireworks")
+
+#: Prompts per ``sample`` call are numbered below this (see `prompt_seed`).
+PROMPT_SEED_STRIDE = 2**20
+_NORMALIZATION = {
+    None: GradAccNormalization.NONE,
+    "none": GradAccNormalization.NONE,
+    "num_loss_tokens": GradAccNormalization.NUM_LOSS_TOKENS,
+    "num_sequences": GradAccNormalization.NUM_SEQUENCES,
+}
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The sampling seed of prompt ``index`` of a ``sample(..., seed=seed)`` call.
+
+    ``seed·2^20 + index``: distinct per prompt, reproducible, and decodable (a backend can
+    recover ``(seed, index)``, which is how the in-process fake reproduces the local trainer's
+    per-prompt random streams).
+    """
+    return int(seed) * PROMPT_SEED_STRIDE + int(index)
+
+
+def _float_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    out = {}
+    for key, value in dict(metrics or {}).items():
+        if isinstance(value, int | float | np.number) and not isinstance(value, bool):
+            out[str(key)] = float(value)
+    return out
+
+
+class FireworksTrainer:
+    """The Fireworks hosted trainer behind the `runner.Trainer` protocol.
+
+    Args:
+      client: a ``fireworks.training.sdk.FiretitanTrainingClient`` (or an object with its
+        methods).
+      base_model: the trainer's base model (recorded in manifests, checked on resume; vision-
+        language models are refused, see `runner.fireworks.is_vision_model`).
+      trainer_job_id: the RLOR trainer job id (default: ``service.trainer_job_id`` when a service
+        is given). Needed to resolve checkpoint identities and for cross-job resume.
+      control_plane: the control-plane client (``TrainerJobManager``: ``list_checkpoints``,
+        ``promote_checkpoint``, ``delete``, ``try_get``). Without it identities stay unresolved.
+      service: the ``FiretitanServiceClient`` that created ``client`` (closed by `close`).
+      max_seq_len: the trainer's model-input length limit (checked before sending).
+      request_timeout_s: wait limit for each SDK future.
+      identity_timeout_s / poll_interval_s / settle_s: control-plane polling for a new
+        checkpoint row after a save (sft-translation.md §7.4: 90 s / 3 s / 3 s).
+      output_model_id: promote the final weights to this model id in `finalize` (None = keep the
+        trainer and promote nothing).
+      delete_trainer_after_promotion: delete the trainer job after a successful promotion.
+      delete_timeout_s / delete_poll_s: how long to verify the deletion (60 s / 5 s).
+      modality: ``"auto"``, ``"text"`` or ``"vision"`` (see `runner.fireworks.check_text_only`).
+      name_prefix: prefix of the sampler snapshot names.
+      builtin_losses: restrict the kernels the step planner may use (default: all of
+        `runner.fireworks.BUILTIN_LOSSES`).
+
+    Attributes:
+      builtin_losses: kernel names for `runner.plan_step`.
+      counters: SDK calls issued: ``forward``, ``forward_backward``, ``optim_step``, ``sample``
+        (per prompt), ``sampler_sync`` (hot-loads), ``save_state``, ``save_sampler``,
+        ``load_state``.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        base_model: str,
+        trainer_job_id: str | None = None,
+        control_plane: Any = None,
+        service: Any = None,
+        max_seq_len: int | None = None,
+        request_timeout_s: float = 3600.0,
+        identity_timeout_s: float = 90.0,
+        poll_interval_s: float = 3.0,
+        settle_s: float = 3.0,
+        output_model_id: str | None = None,
+        delete_trainer_after_promotion: bool = True,
+        delete_timeout_s: float = 60.0,
+        delete_poll_s: float = 5.0,
+        modality: str = "auto",
+        name_prefix: str = "foldloss",
+        builtin_losses: Sequence[str] | None = None,
+    ) -> None:
+        if not isinstance(base_model, str) or not base_model.strip():
+            raise ValueError("FireworksTrainer: base_model is required")
+        check_text_only(base_model, modality)
+        if output_model_id:
+            from runner.fireworks._validate import check_output_model_id
+
+            check_output_model_id(output_model_id)
+        if builtin_losses is None:
+            builtin_losses = BUILTIN_LOSSES
+        unknown = sorted(set(builtin_losses) - set(BUILTIN_LOSSES))
+        if unknown:
+            raise ValueError(f"FireworksTrainer: unsupported builtin losses {unknown}")
+        self.builtin_losses = tuple(builtin_losses)
+        self.client = client
+        self.service = service
+        self.control_plane = control_plane
+        self.base_model = base_model
+        if trainer_job_id is None and service is not None:
+            trainer_job_id = getattr(service, "trainer_job_id", None)
+        self.trainer_job_id = trainer_job_id or None
+        self.max_seq_len = max_seq_len
+        self.request_timeout_s = float(request_timeout_s)
+        self.identity_timeout_s = float(identity_timeout_s)
+        self.poll_interval_s = float(poll_interval_s)
+        self.settle_s = float(settle_s)
+        self.output_model_id = output_model_id or None
+        self.delete_trainer_after_promotion = bool(delete_trainer_after_promotion)
+        self.delete_timeout_s = float(delete_timeout_s)
+        self.delete_poll_s = float(delete_poll_s)
+        self.name_prefix = dns_label(name_prefix, 40)
+        self.counters = dict.fromkeys(
+            (
+                "forward",
+                "forward_backward",
+                "optim_step",
+                "sample",
+                "sampler_sync",
+                "save_state",
+                "save_sampler",
+                "load_state",
+            ),
+            0,
+        )
+        self._model_inputs = ModelInputCache()
+        self._provider_lock = threading.RLock()
+        self._sampler_lock = threading.Lock()
+        self._sampler: Any = None
+        self._sampler_version = -1
+        self._weights_version = 0
+        self._closed = False
+        self._sleep: Callable[[float], None] = time.sleep
+        self._clock: Callable[[], float] = time.monotonic
+
+    def __repr__(self) -> str:
+        return (
+            f"FireworksTrainer(base_model={self.base_model!r}, "
+            f"trainer_job_id={self.trainer_job_id!r})"
+        )
+
+    # -- training ---------------------------------------------------------------------------
+
+    def _result(self, future: Any) -> Any:
+        return future.result(timeout=self.request_timeout_s)
+
+    def forward(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
+        """Per-target float32 logprobs at the current weights (one ``cross_entropy`` forward).
+
+        Datums carry ``target_tokens`` and all-zero ``weights`` (as the SDK's own custom-loss
+        forward sends them); other inputs attached to the sequences are ignored.
+        """
+        seqs = [s.with_inputs() if s.inputs else s for s in _as_list(seqs)]
+        zero = [s.with_inputs(weights=np.zeros(s.num_targets, np.float32)) for s in seqs]
+        datums = to_datums(
+            zero, ("weights",), max_seq_len=self.max_seq_len, cache=self._model_inputs
+        )
+        out = self._result(self.client.forward(datums, "cross_entropy"))
+        self.counters["forward"] += 1
+        return output_logprobs(out, seqs, required=True)
+
+    def forward_backward(
+        self, seqs: Sequence[Seq], loss_name: str, config: Mapping[str, Any] | None = None
+    ) -> ForwardBackwardResult:
+        """Runs a builtin kernel on the trainer; the gradient accumulates until `optim_step`.
+
+        Inputs per kernel: ``cross_entropy`` ← ``weights``; every policy kernel ← ``logprobs``
+        (the anchor) and ``advantages`` (per token, reduction weights folded in). ``config``
+        keys: `runner.fireworks.LOSS_CONFIG_KEYS`.
+
+        Returns:
+          `ForwardBackwardResult`: per-sequence trainer logprobs (``[]`` when the server sends
+          only the aggregate loss) and the server metrics unchanged (``loss:sum`` is the kernel's
+          raw token sum — for a linear surrogate, not the user's loss — and stays under that key).
+        """
+        if loss_name not in self.builtin_losses:
+            raise ValueError(f"unknown loss {loss_name!r}; expected one of {self.builtin_losses}")
+        cfg = builtin_config(loss_name, config)
+        datums = to_datums(
+            _as_list(seqs),
+            KERNEL_INPUTS[loss_name],
+            loss_name=loss_name,
+            max_seq_len=self.max_seq_len,
+            cache=self._model_inputs,
+        )
+        out = self._result(self.client.forward_backward(datums, loss_name, cfg or None))
+        self.counters["forward_backward"] += 1
+        return ForwardBackwardResult(
+            logprobs=output_logprobs(out, seqs, required=False),
+            metrics=_float_metrics(out.metrics),
+        )
+
+    def optim_step(self, adam: AdamParams, normalization: str | None = None) -> dict[str, float]:
+        """One server Adam(W) step on the accumulated gradient.
+
+        ``None`` and ``"none"`` send ``GradAccNormalization.NONE`` (on the wire
+        ``"grad_accumulation_normalization": "none"``; the SDK's ``None`` would omit the field and
+        leave the choice to the server); the other `runner.NORMALIZATIONS` map to their enum.
+
+        Returns:
+          The server's optimizer metrics as floats.
+        """
+        if not isinstance(adam, AdamParams):
+            raise ValueError(f"optim_step: adam must be a runner.AdamParams, got {adam!r}")
+        if normalization not in _NORMALIZATION:
+            raise ValueError(
+                f"optim_step: unknown normalization {normalization!r}; expected None or one of "
+                f"{NORMALIZATIONS}"
+            )
+        params = types.AdamParams(
+            learning_rate=float(adam.learning_rate),
+            beta1=float(adam.beta1),
+            beta2=float(adam.beta2),
+            eps=float(adam.eps),
+            weight_decay=float(adam.weight_decay),
+            grad_clip_norm=float(adam.grad_clip_norm),
+        )
+        response = self._result(
+            self.client.optim_step(
+                params, grad_accumulation_normalization=_NORMALIZATION[normalization]
+            )
+        )
+        self.counters["optim_step"] += 1
+        self._weights_version += 1
+        return _float_metrics(getattr(response, "metrics", None))
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def _current_sampler(self) -> Any:
+        with self._sampler_lock:
+            if self._sampler is not None and self._sampler_version == self._weights_version:
+                return self._sampler
+            name = f"{self.name_prefix}-sampler-{self._weights_version}"
+            path = self._result(self.client.save_weights_for_sampler(name)).path
+            if not path:
+                raise RuntimeError(f"save_weights_for_sampler({name!r}) returned an empty path")
+            sampler = self.client.create_sampling_client(path)
+            self.counters["save_sampler"] += 1
+            self.counters["sampler_sync"] += 1
+            old, self._sampler = self._sampler, sampler
+            self._sampler_version = self._weights_version
+        if old is not None:
+            _close_quietly(old)
+        return sampler
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        num_samples: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+    ) -> list[list[Sample]]:
+        """``num_samples`` completions per prompt from the deployment, at the current weights.
+
+        The weights are hot-loaded once per version (after each ``optim_step``/load). Prompt
+        ``i`` samples with ``seed = prompt_seed(seed, i)``; all prompts are submitted before any
+        result is awaited. ``stop_token_ids`` go out as integer stop sequences (the SDK's
+        deployment sampler decodes them with its tokenizer).
+
+        Returns:
+          ``result[p][j]``: a `runner.Sample` (int64 tokens, float32 sampling logprobs).
+        """
+        arrays = _check_prompts(prompts)
+        num_samples = _check_int("num_samples", num_samples, 1)
+        max_tokens = _check_int("max_tokens", max_tokens, 1)
+        seed = _check_int("seed", seed, 0)
+        if seed >= 2**32:
+            raise ValueError(f"sample: seed must be < 2**32, got {seed}")
+        if len(arrays) >= PROMPT_SEED_STRIDE:
+            raise ValueError(f"sample: at most {PROMPT_SEED_STRIDE - 1} prompts per call")
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
+            raise ValueError(f"sample: temperature must be a number, got {temperature!r}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"sample: temperature must be finite and >= 0, got {temperature!r}")
+        stops = [_check_int("stop_token_ids entry", t, 0) for t in stop_token_ids]
+        longest = max(a.shape[0] for a in arrays)
+        if self.max_seq_len is not None and longest + max_tokens - 1 > self.max_seq_len:
+            raise ValueError(
+                f"sample: longest prompt ({longest}) + max_tokens ({max_tokens}) - 1 exceeds "
+                f"max_seq_len={self.max_seq_len}"
+            )
+        sampler = self._current_sampler()
+        futures = []
+        for i, a in enumerate(arrays):
+            params = types.SamplingParams(
+                max_tokens=max_tokens,
+                temperature=float(temperature),
+                seed=prompt_seed(seed, i),
+                stop=stops or None,
+            )
+            prompt = types.ModelInput.from_ints(a.tolist())
+            futures.append(sampler.sample(prompt, num_samples, params))
+        self.counters["sample"] += len(futures)
+        out = []
+        for i, fut in enumerate(futures):
+            response = fut.result(timeout=self.request_timeout_s)
+            seqs = list(response.sequences)
+            if len(seqs) != num_samples:
+                raise RuntimeError(f"prompt {i}: got {len(seqs)} samples, expected {num_samples}")
+            out.append([_to_sample(s, i) for s in seqs])
+        return out
+
+    # -- Trainer-protocol checkpoints (the run-level contract is save_resumable & co.) ------
+
+    def _dcp_name(self, name: str) -> str:
+        return f"{dns_label(name, 54)}-{uuid.uuid4().hex[:8]}"
+
+    def save_state(self, name: str) -> str:
+        """Saves a DCP (weights + optimizer) under ``name``; returns the server's path."""
+        response = self._result(self.client.save_state(name))
+        self.counters["save_state"] += 1
+        path = getattr(response, "path", None)
+        if not path:
+            raise CheckpointError(f"save_state({name!r}) returned an empty path")
+        return str(path)
+
+    def load_state(self, ref: str, with_optimizer: bool = True) -> None:
+        """Loads a DCP reference (a name on this trainer, or ``cross_job://<job>/<name>``)."""
+        if with_optimizer:
+            future = self.client.load_state_with_optimizer(ref)
+        else:
+            future = self.client.load_state(ref)
+        self._result(future)
+        self.counters["load_state"] += 1
+        self._weights_version += 1
+
+    def save_weights_for_sampler(self, name: str) -> str:
+        """Saves a ``base`` sampler snapshot (promotable inference weights); returns its path."""
+        result = self.client.save_weights_for_sampler_ext(dns_label(name), checkpoint_type="base")
+        self.counters["save_sampler"] += 1
+        if not result.path:
+            raise CheckpointError(f"save_weights_for_sampler({name!r}) returned an empty path")
+        return str(result.path)
+
+    # -- run-level checkpoint hooks (runner.checkpoints) ------------------------------------
+
+    def _list(self) -> list[dict] | None:
+        if self.control_plane is None or self.trainer_job_id is None:
+            return None
+        return list_rows(lambda: self.control_plane.list_checkpoints(self.trainer_job_id))
+
+    def _poll(self, baseline: set[str], predicate: Callable[[dict], bool]) -> list[dict]:
+        return poll_new_rows(
+            lambda: self.control_plane.list_checkpoints(self.trainer_job_id),
+            baseline=baseline,
+            predicate=predicate,
+            timeout_s=self.identity_timeout_s,
+            interval_s=self.poll_interval_s,
+            settle_s=self.settle_s,
+            sleep=self._sleep,
+            clock=self._clock,
+        )
+
+    def save_resumable(self, name: str) -> dict[str, Any]:
+        """Saves a DCP and resolves its control-plane identity (sft-translation.md §7.4).
+
+        Under a lock (two saves cannot race): take the baseline of resumable rows, ``save_state``
+        a unique name (``<name>-<8 hex>``), then poll for resumable rows not in the baseline.
+        Exactly one new row resolves the identity — its short name, resource and type are
+        recorded even when the server stored the checkpoint under another name. Zero or several
+        new rows, or no baseline (listing failed or no control plane), leave it unresolved: a
+        ``RuntimeWarning`` is issued and ``checkpoint_resource``/``checkpoint_type`` are None
+        (a cross-job resume from it then fails closed).
+
+        Returns:
+          The manifest's ``resumable`` record: ``checkpoint_kind``, ``checkpoint_name``,
+          ``requested_checkpoint_name``, ``checkpoint_resource``, ``checkpoint_type``,
+          ``identity_resolved``, ``provider_path``, ``source_trainer_job_id``, ``base_model``,
+          ``includes_optimizer_state``.
+        """
+        with self._provider_lock:
+            requested = self._dcp_name(name)
+            rows = self._list()
+            baseline = (
+                None if rows is None else {r.get("name") for r in rows if is_resumable_row(r)}
+            )
+            path = self.save_state(requested)
+            new = [] if baseline is None else self._poll(baseline, is_resumable_row)
+            row = new[0] if len(new) == 1 else None
+            if row is None:
+                why = "no control-plane baseline" if baseline is None else f"candidates={len(new)}"
+                warnings.warn(
+                    RuntimeWarning(
+                        f"Fireworks checkpoint {requested!r}: control-plane identity unresolved "
+                        f"({why}); a cross-job resume from it will fail closed"
+                    ),
+                    stacklevel=2,
+                )
+            return {
+                "checkpoint_kind": "fireworks_dcp",
+                "checkpoint_name": short_name(row["name"]) if row else requested,
+                "requested_checkpoint_name": requested,
+                "checkpoint_resource": row["name"] if row else None,
+                "checkpoint_type": row.get("checkpointType") if row else None,
+                "identity_resolved": row is not None,
+                "provider_path": path,
+                "source_trainer_job_id": self.trainer_job_id,
+                "base_model": self.base_model,
+                "includes_optimizer_state": True,
+            }
+
+    def _resolve_sampler_row(self, path: str, snapshot: str, *, required: bool) -> dict | None:
+        names = {short_name(path), short_name(snapshot)}
+
+        def match(row: dict) -> bool:
+            return is_promotable_row(row) and short_name(row.get("name", "")) in names
+
+        has_control = self.control_plane is not None and self.trainer_job_id is not None
+        rows = self._poll(set(), match) if has_control else []
+        if len(rows) > 1:
+            raise CheckpointError(
+                f"sampler snapshot {snapshot!r}: {len(rows)} promotable control-plane rows match; "
+                "refusing to guess"
+            )
+        if not rows:
+            if required:
+                raise CheckpointError(
+                    f"sampler snapshot {snapshot!r}: no promotable control-plane row appeared "
+                    f"within {self.identity_timeout_s:g} s; nothing was promoted"
+                )
+            warnings.warn(
+                RuntimeWarning(
+                    f"sampler snapshot {snapshot!r}: no promotable control-plane row yet; "
+                    "recorded without a resource"
+                ),
+                stacklevel=3,
+            )
+            return None
+        return rows[0]
+
+    def save_promotable(self, name: str) -> dict[str, Any]:
+        """Saves a ``base`` sampler snapshot and resolves its promotable control-plane row.
+
+        Returns:
+          ``{snapshot_name, snapshot_path, sampler_checkpoint_type: "base",
+          checkpoint_resource, checkpoint_type}`` (resource/type None if no row appeared).
+        """
+        with self._provider_lock:
+            result = self.client.save_weights_for_sampler_ext(
+                dns_label(name), checkpoint_type="base"
+            )
+            self.counters["save_sampler"] += 1
+            if not result.path:
+                raise CheckpointError(f"save_weights_for_sampler({name!r}) returned an empty path")
+            row = self._resolve_sampler_row(result.path, result.snapshot_name, required=False)
+            return {
+                "snapshot_name": result.snapshot_name,
+                "snapshot_path": str(result.path),
+                "sampler_checkpoint_type": "base",
+                "checkpoint_resource": row["name"] if row else None,
+                "checkpoint_type": row.get("checkpointType") if row else None,
+            }
+
+    def load_resumable(self, identity: Mapping[str, Any], *, with_optimizer: bool = True) -> None:
+        """Restores a `save_resumable` record (sft-translation.md §7.5).
+
+        Same trainer job: load by (resolved) name. Another job: only with a resolved
+        ``checkpoint_resource``, through the SDK's ``resolve_checkpoint_path(name,
+        source_job_id=...)`` (a ``cross_job://<job>/<name>`` reference). Then
+        ``load_state_with_optimizer`` (or ``load_state`` for weights only).
+
+        Raises:
+          CheckpointError: another backend's record, a different base model, an unresolved
+            cross-job identity, or no loadable reference.
+        """
+        kind = identity.get("checkpoint_kind")
+        if kind not in (None, "fireworks_dcp"):
+            raise CheckpointError(f"checkpoint record of kind {kind!r} is not a Fireworks DCP")
+        saved_model = identity.get("base_model")
+        if saved_model and saved_model != self.base_model:
+            raise CheckpointError(
+                f"checkpoint was trained from base model {saved_model!r}, not {self.base_model!r}"
+            )
+        name = identity.get("checkpoint_name")
+        source = identity.get("source_trainer_job_id")
+        try:
+            if source and name:
+                if source == self.trainer_job_id:
+                    ref = self.client.resolve_checkpoint_path(name)
+                else:
+                    if not identity.get("checkpoint_resource"):
+                        raise CheckpointError(
+                            f"checkpoint {name!r} of trainer job {source!r} has no resolved "
+                            "control-plane identity for cross-job resume (its requested name could "
+                            "match an unrelated checkpoint): refusing to resume from it"
+                        )
+                    ref = self.client.resolve_checkpoint_path(name, source_job_id=source)
+            elif identity.get("provider_path"):
+                ref = str(identity["provider_path"])
+            else:
+                raise CheckpointError(
+                    "checkpoint record has no loadable reference (no name with a trainer job, "
+                    "no provider path)"
+                )
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint reference is invalid: {exc}") from exc
+        with self._provider_lock:
+            self.load_state(ref, with_optimizer=with_optimizer)
+
+    # -- final promotion and cleanup --------------------------------------------------------
+
+    def finalize(self, run_dir: Path | str, last_manifest: Mapping[str, Any] | None) -> dict | None:
+        """Promotes the final weights, then (only then) deletes the trainer (§7.6-7.7).
+
+        Without ``output_model_id`` nothing is promoted and the trainer is kept. Otherwise:
+        reuse the final checkpoint's promotable snapshot when its control-plane row is known,
+        else save a ``base`` snapshot now and require exactly one promotable row; promote it;
+        write ``<run_dir>/fireworks_final_model.json``; then, if
+        ``delete_trainer_after_promotion``, delete the trainer job, verify it is gone, and write
+        ``fireworks_trainer_cleanup.json``. A failed promotion raises and keeps the trainer.
+
+        Returns:
+          The final-model record, or None when nothing was promoted.
+        """
+        run_dir = Path(run_dir)
+        manifest = dict(last_manifest or {})
+        if not self.output_model_id:
+            log.info("no [fireworks].output_model_id: nothing promoted; trainer job kept")
+            self.close()
+            return None
+        if self.control_plane is None or self.trainer_job_id is None:
+            raise CheckpointError("final promotion needs the control plane and the trainer job id")
+        with self._provider_lock:
+            promotable = manifest.get("promotable") or {}
+            resource = promotable.get("checkpoint_resource")
+            reused = bool(resource) and "/checkpoints/" in str(resource)
+            if reused:
+                sampler_path = promotable.get("snapshot_path")
+                ctype = promotable.get("checkpoint_type")
+            else:
+                result = self.client.save_weights_for_sampler_ext(
+                    f"{self.name_prefix}-final", checkpoint_type="base"
+                )
+                self.counters["save_sampler"] += 1
+                if not result.path:
+                    raise CheckpointError("final sampler snapshot returned an empty path")
+                row = self._resolve_sampler_row(result.path, result.snapshot_name, required=True)
+                sampler_path, resource, ctype = result.path, row["name"], row.get("checkpointType")
+            model = self.control_plane.promote_checkpoint(
+                name=resource, output_model_id=self.output_model_id, base_model=self.base_model
+            )
+            record = {
+                "format_version": 1,
+                "step": manifest.get("step"),
+                "trainer_job_id": self.trainer_job_id,
+                "dcp_checkpoint": manifest.get("resumable"),
+                "sampler_path": sampler_path,
+                "checkpoint_resource": resource,
+                "checkpoint_type": ctype,
+                "reused_promotable_checkpoint": reused,
+                "output_model_id": self.output_model_id,
+                "model": model,
+            }
+            atomic_write_json(run_dir / "fireworks_final_model.json", record)
+            if self.delete_trainer_after_promotion:
+                record["trainer_state_after_delete"] = self._delete_trainer(run_dir)
+        self.close()
+        return record
+
+    def _delete_trainer(self, run_dir: Path) -> str:
+        job = self.trainer_job_id
+        self.control_plane.delete(job)
+        deadline = self._clock() + self.delete_timeout_s
+        state = "UNKNOWN"
+        while True:
+            try:
+                row = self.control_plane.try_get(job)
+            except Exception as exc:  # noqa: BLE001 - retried until the deadline
+                log.warning("trainer job lookup failed: %s: %s", type(exc).__name__, exc)
+            else:
+                state = "ABSENT" if row is None else str(row.get("state", "UNKNOWN"))
+                if state in ("ABSENT", "JOB_STATE_DELETED"):
+                    break
+            if self._clock() >= deadline:
+                raise CheckpointError(
+                    f"trainer job {job!r} is still {state} {self.delete_timeout_s:g} s after its "
+                    "deletion was requested (the model was promoted)"
+                )
+            self._sleep(self.delete_poll_s)
+        atomic_write_json(
+            run_dir / "fireworks_trainer_cleanup.json", {"trainer_job_id": job, "state": state}
+        )
+        return state
+
+    def close(self) -> None:
+        """Closes the sampling client and the service (idempotent; never deletes the trainer)."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._sampler_lock:
+            sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            _close_quietly(sampler)
+        if self.service is not None:
+            _close_quietly(self.service)
+
+    def __enter__(self) -> FireworksTrainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _close_quietly(obj: Any) -> None:
+    try:
+        obj.close()
+    except Exception as exc:  # noqa: BLE001 - cleanup must not mask the real outcome
+        log.warning("closing %s failed: %s: %s", type(obj).__name__, type(exc).__name__, exc)
+
+
+def _as_list(seqs: Any) -> list[Seq]:
+    if isinstance(seqs, Seq) or not isinstance(seqs, Sequence):
+        raise ValueError(f"expected a sequence of runner.Seq, got {type(seqs).__name__}")
+    return list(seqs)
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"sample: {name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"sample: {name} must be >= {low}, got {value!r}")
+    return int(value)
+
+
+def _check_prompts(prompts: Any) -> list[np.ndarray]:
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        raise ValueError("sample: prompts must be a sequence of token sequences")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("sample: empty batch: at least one prompt is required")
+    arrays = []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1 or a.shape[0] < 1:
+            raise ValueError(f"prompt {i}: must be a non-empty rank-1 token list, got {a.shape}")
+        if not np.issubdtype(a.dtype, np.integer) or a.min() < 0:
+            raise ValueError(f"prompt {i}: tokens must be non-negative integers")
+        arrays.append(a.astype(np.int64))
+    return arrays
+
+
+def _to_sample(seq: Any, prompt: int) -> Sample:
+    tokens = getattr(seq, "tokens_np", None)
+    tokens = np.asarray(seq.tokens if tokens is None else tokens, np.int64).reshape(-1)
+    logprobs = getattr(seq, "logprobs_np", None)
+    logprobs = seq.logprobs if logprobs is None else logprobs
+    if logprobs is None:
+        raise RuntimeError(f"prompt {prompt}: the sampler returned no logprobs")
+    logprobs = np.asarray(logprobs, np.float32).reshape(-1)
+    if logprobs.shape != tokens.shape:
+        raise RuntimeError(
+            f"prompt {prompt}: {logprobs.shape[0]} logprobs for {tokens.shape[0]} sampled tokens"
+        )
+    stop = str(seq.stop_reason)
+    return Sample(
+        tokens=tokens, logprobs=logprobs, stop_reason="stop" if stop == "stop" else "length"
+    )
+
+
+# -- construction from the main job's config ----------------------------------------------
+
+
+def _connect(fcfg: Any, api_key: str) -> tuple[Any, Any, Any, str | None]:
+    """``(service, training client, control plane, trainer job id)`` from ``[fireworks]``.
+
+    The service is SDK-managed (``FiretitanServiceClient.from_firetitan_config``): it reattaches
+    ``trainer_job_id`` (or provisions a trainer from ``training_shape_id``) and a hot-load
+    deployment, with ``cleanup_trainer_on_close=False`` (checkpoints outlive the process;
+    deletion happens only after promotion, in `FireworksTrainer.finalize`).
+    """
+    from fireworks.training.sdk import FiretitanServiceClient, TrainerJobManager
+
+    service = FiretitanServiceClient.from_firetitan_config(
+        api_key=api_key,
+        base_url=fcfg.base_url,
+        base_model=fcfg.base_model,
+        training_shape_id=fcfg.training_shape_id,
+        trainer_job_id=fcfg.trainer_job_id or None,
+        deployment_id=fcfg.deployment_id or None,
+        max_context_length=fcfg.max_seq_len,
+        cleanup_trainer_on_close=False,
+    )
+    try:
+        client = service.create_training_client()
+        job_id = service.trainer_job_id
+        control = TrainerJobManager(api_key=api_key, base_url=fcfg.base_url)
+    except BaseException:
+        _close_quietly(service)
+        raise
+    return service, client, control, job_id
+
+
+def make_trainer(cfg: Any, run_dir: Path | str | None = None) -> FireworksTrainer:
+    """The main job's Fireworks trainer from a validated `runner.config.Config`.
+
+    Validates ``[fireworks]`` (`runner.fireworks.validate_static`), reads the API key from the
+    environment variable named by ``api_key_env`` (the error names the variable, never a value)
+    and connects (`_connect`).
+    """
+    validate_static(cfg)
+    f = cfg.fireworks
+    service, client, control, job_id = _connect(f, api_key_from_env(f.api_key_env))
+    return FireworksTrainer(
+        client,
+        service=service,
+        control_plane=control,
+        trainer_job_id=job_id,
+        base_model=f.base_model,
+        max_seq_len=f.max_seq_len,
+        request_timeout_s=f.request_timeout_s,
+        identity_timeout_s=f.identity_timeout_s,
+        output_model_id=f.output_model_id or None,
+        delete_trainer_after_promotion=f.delete_trainer_after_promotion,
+        modality=f.modality,
+    )
