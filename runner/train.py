@@ -273,11 +273,13 @@ def run(
     step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
     reference = None
     total = cfg.total_steps
+    last_manifest = manifest
 
     from runner.plot import plot_metrics
     from runner.progress import Progress  # rich is optional at import time
 
     def checkpoint(step: int) -> None:
+        nonlocal last_manifest
         run_state = {
             "step": step,
             "phase": "sft" if step <= cfg.sft.steps else "rl",
@@ -285,7 +287,7 @@ def run(
             "seed": cfg.run.seed,
             "data_position": step,
         }
-        ckpt.write_checkpoint(
+        last_manifest = ckpt.write_checkpoint(
             ckpt_root,
             trainer,
             step=step,
@@ -328,4 +330,6 @@ def run(
                 checkpoint(step)
             if on_step is not None:
                 on_step(step, record)
+    if hasattr(trainer, "finalize"):  # a hosted backend's final promotion, then cleanup
+        trainer.finalize(run_dir, last_manifest)
     return RunResult(run_dir=run_dir, last_step=total, metrics=log.records)
