@@ -405,7 +405,12 @@ class FakeTrainingClient:
         loss_fn_config: dict[str, float | str | bool] | None = None,
     ) -> _ImmediateAPIFuture:
         self._alive()
-        self._validate(loss_fn, loss_fn_config)
+        support = self._validate(loss_fn, loss_fn_config)
+        if support == "sampling_support" and not self.supports_target_logprob_support:
+            raise ValueError(  # the check inlined in FiretitanTrainingClient.forward_backward
+                "Trainer does not advertise target_logprob_support='sampling_support'; "
+                "upgrade the trainer or select target_logprob_support='full_vocabulary'"
+            )
         request = types.ForwardBackwardRequest(
             forward_backward_input=types.ForwardBackwardInput(
                 data=list(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config
@@ -583,7 +588,7 @@ class FakeTrainingClient:
             raise ValueError(f"unsupported checkpoint_type {ctype!r}")
         actual = qualify_snapshot_name(self.session_id, name)
         path = f"sampler_weights/{actual}"
-        self.job.samplers[path] = jax.tree.map(lambda x: x, self.local.params)
+        self.job.samplers[path] = jax.tree.map(np.asarray, self.local.params)
         self._sampler_saved = True
         if ctype == "base":
             self.world.add_row(self.job, actual, "CHECKPOINT_TYPE_INFERENCE_BASE", True)

@@ -124,7 +124,8 @@ def _field_array(seq: Seq, index: int, name: str) -> np.ndarray:
     arr = np.asarray(seq.inputs[name])
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.number):
         raise ValueError(f"sequence {index}: field '{name}' must be a float array, got {arr.dtype}")
-    out = np.asarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore"):  # an overflow is reported below, naming the field
+        out = np.asarray(arr, dtype=np.float32)
     if not np.isfinite(out).all():
         t = int(np.argmin(np.isfinite(out)))
         raise ValueError(

@@ -1,0 +1,630 @@
+"""runner.fireworks against the in-process SDK fake: datums and wire form, both step paths,
+normalization, sampling, bad input, config validation, and import hygiene.
+
+The fake (tests/fireworks_fake.py) computes with `runner.local.LocalTrainer`, so every Fireworks
+result is compared with the local trainer doing the same thing (bit-for-bit: both see the same
+float32 inputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from fireworks.training.sdk import types
+from fireworks.training.sdk._core.lib.public_interfaces.training_client import TrainingClient
+from fireworks.training.sdk.client import (
+    FiretitanSamplingClient,
+    FiretitanTrainingClient,
+    GradAccNormalization,
+    _grad_accumulation_normalization_value,
+)
+from fireworks.training.sdk.trainer import TrainerJobManager
+
+import losses
+import runner
+from runner import AdamParams, Seq, StepRunner, make_seq
+from runner.config import load_config
+from runner.fireworks import (
+    BUILTIN_LOSSES,
+    LOSS_CONFIG_KEYS,
+    FireworksTrainer,
+    api_key_from_env,
+    builtin_config,
+    is_vision_model,
+    to_datums,
+)
+from runner.local import LocalTrainer, LocalTrainerConfig
+from tests.fireworks_fake import (
+    FakeControlPlane,
+    FakeFireworks,
+    FakeSamplingClient,
+    FakeTrainingClient,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 24
+CFG = LocalTrainerConfig(
+    vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64, seed=3
+)
+BASE = "accounts/fireworks/models/qwen3-8b"
+ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
+
+
+def make_fw(tmp_path, **kw) -> tuple[FakeFireworks, FireworksTrainer]:
+    world = FakeFireworks(tmp_path / "fw", CFG)
+    client = world.connect()
+    kw.setdefault("identity_timeout_s", 0.5)
+    trainer = FireworksTrainer(
+        client,
+        base_model=BASE,
+        trainer_job_id=client.job.id,
+        control_plane=world.control,
+        max_seq_len=CFG.max_seq_len,
+        poll_interval_s=0.01,
+        settle_s=0.0,
+        **kw,
+    )
+    return world, trainer
+
+
+def rl_seqs(seed: int = 0, n: int = 6) -> list[Seq]:
+    """Prompt / action / observation turns with sampling logprobs near the initial policy."""
+    rng = np.random.default_rng(seed)
+    ref = LocalTrainer(CFG)
+    raw = []
+    for _ in range(n):
+        length = int(rng.integers(12, 30))
+        tokens = rng.integers(0, VOCAB, length).astype(np.int64)
+        kind = np.zeros(length - 1, int)
+        t = int(rng.integers(3, 6))
+        while t < length - 1:
+            a = int(rng.integers(2, 6))
+            kind[t : t + a] = 1
+            t += a
+            o = int(rng.integers(1, 4))
+            kind[t : t + o] = 2
+            t += o + 1
+        raw.append((tokens, kind))
+    fwd = ref.forward([Seq(t) for t, _ in raw])
+    out = []
+    for (tokens, kind), lp in zip(raw, fwd, strict=True):
+        action = (kind == 1).astype(np.float64)
+        sampling = np.minimum(lp + rng.normal(0.0, 0.3, lp.shape), 0.0) * action
+        out.append(
+            Seq(
+                tokens,
+                dict(
+                    action_mask=action,
+                    obs_mask=(kind == 2).astype(np.float64),
+                    advantages=float(rng.normal()) * action,
+                    sampling_logprobs=sampling,
+                ),
+            )
+        )
+    return out
+
+
+def assert_params_equal(a, b, atol=0.0):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
+
+
+def _params_sig(fn) -> list[tuple]:
+    sig = inspect.signature(fn)
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+
+# -- the fake mirrors the SDK ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fake, real, names",
+    [
+        (
+            FakeTrainingClient,
+            FiretitanTrainingClient,
+            [
+                "forward",
+                "forward_backward",
+                "forward_backward_custom",
+                "optim_step",
+                "save_state",
+                "load_state",
+                "load_state_with_optimizer",
+                "save_weights_for_sampler",
+                "save_weights_for_sampler_ext",
+                "create_sampling_client",
+                "list_checkpoints",
+                "resolve_checkpoint_path",
+            ],
+        ),
+        (FakeTrainingClient, TrainingClient, ["forward_backward_async"]),
+        (FakeSamplingClient, FiretitanSamplingClient, ["sample", "close"]),
+        (
+            FakeControlPlane,
+            TrainerJobManager,
+            ["list_checkpoints", "promote_checkpoint", "delete", "try_get"],
+        ),
+    ],
+)
+def test_fake_signatures_match_the_sdk(fake, real, names):
+    for name in names:
+        assert _params_sig(getattr(fake, name)) == _params_sig(getattr(real, name)), name
+
+
+def test_builtin_losses_are_sdk_loss_types_and_twins_translate():
+    sdk = set(typing.get_args(types.LossFnType))
+    assert set(BUILTIN_LOSSES) <= sdk and "reinforce" not in BUILTIN_LOSSES
+    assert set(BUILTIN_LOSSES) == sdk - {"reinforce"} == set(LOSS_CONFIG_KEYS)
+    terms = [
+        losses.grpo(clip_low=0.2, clip_high=0.28),
+        losses.grpo(dual_clip=3.0),
+        losses.ppo(),
+        losses.cispo(),
+        losses.importance_sampling(),
+        losses.dro(beta=0.1, reduction="token_sum"),
+        losses.dapo(eps_clip_c=3.0),
+        losses.gspo(),
+        losses.dppo(),
+    ]
+    for term in terms:
+        name, cfg = losses.builtin_twin(term)
+        assert name in BUILTIN_LOSSES
+        assert builtin_config(name, cfg) == cfg  # the twin's keys are the documented §4 keys
+
+
+# -- datums and the wire --------------------------------------------------------------------
+
+
+def test_seq_to_datum_dtypes_alignment_and_zero_copy():
+    tokens = np.array([5, 6, 7, 8, 9], np.int64)
+    seq = make_seq(tokens, weights=[0.0, 0.5, 1.0, 2.0])
+    (d,) = to_datums([seq], ("weights",))
+    assert d.model_input.to_ints() == [5, 6, 7, 8]
+    tt, w = d.loss_fn_inputs["target_tokens"], d.loss_fn_inputs["weights"]
+    assert (tt.dtype, w.dtype) == ("int64", "float32")
+    assert tt.to_numpy().tolist() == [6, 7, 8, 9] and w.to_numpy().dtype == np.float32
+    assert np.shares_memory(tt.to_numpy(), seq.tokens)  # zero-copy target view
+    assert w.to_numpy().tolist() == [0.0, 0.5, 1.0, 2.0]
+
+
+def test_wire_form_of_a_builtin_ppo_request_matches_the_reference(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    seq = make_seq([1, 2, 3, 4], logprobs=[0.0, -0.5, -0.7], advantages=[0.0, 1.0, 1.0])
+    trainer.forward_backward([seq], "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    kind, body = world.requests[-1]
+    expected = json.loads(
+        '{"data":[{"loss_fn_inputs":{"target_tokens":{"data":[2,3,4],"dtype":"int64","shape":[3]},'
+        '"logprobs":{"data":[0.0,-0.5,-0.699999988079071],"dtype":"float32","shape":[3]},'
+        '"advantages":{"data":[0.0,1.0,1.0],"dtype":"float32","shape":[3]}},'
+        '"model_input":{"chunks":[{"tokens":[1,2,3],"type":"encoded_text"}]}}],'
+        '"loss_fn":"ppo","loss_fn_config":{"clip_low_threshold":0.8,"clip_high_threshold":1.2}}'
+    )
+    assert kind == "forward_backward" and body["forward_backward_input"] == expected
+
+
+def test_wire_form_of_the_linear_cross_entropy_pass(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    seqs = rl_seqs(n=3)
+    term = losses.fold(losses.grpo(), losses.echo_env(coef=0.1))
+    client = runner.ClientLoss(term)
+    lps = trainer.forward([s.with_inputs() for s in seqs])
+    _, _, grads = client.value_and_grads(lps, seqs)
+    StepRunner(term, mode="client").accumulate(trainer, seqs)
+    (fkind, fwd), (bkind, bwd) = world.requests[-2:]
+    assert (fkind, bkind) == ("forward", "forward_backward")
+    fb = bwd["forward_backward_input"]
+    assert fb["loss_fn"] == "cross_entropy" and "loss_fn_config" not in fb
+    for i, (d_fwd, d_bwd) in enumerate(zip(fwd["forward_input"]["data"], fb["data"], strict=True)):
+        assert d_bwd["model_input"] == d_fwd["model_input"]
+        assert set(d_bwd["loss_fn_inputs"]) == {"target_tokens", "weights"}
+        w = d_bwd["loss_fn_inputs"]["weights"]
+        assert w["dtype"] == "float32" and w["shape"] == [seqs[i].num_targets]
+        np.testing.assert_array_equal(np.float32(w["data"]), np.float32(-grads[i]))
+        assert set(d_fwd["loss_fn_inputs"]) == {"target_tokens", "weights"}  # zeros, as the SDK
+        assert not any(d_fwd["loss_fn_inputs"]["weights"]["data"])
+
+
+def test_model_input_is_the_same_object_in_forward_and_linear_backward(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    seen = {"forward": [], "forward_backward": []}
+    for name in seen:
+        method = getattr(trainer.client, name)
+
+        def spy(data, *args, _m=method, _n=name, **kw):
+            seen[_n].append([d.model_input for d in data])
+            return _m(data, *args, **kw)
+
+        setattr(trainer.client, name, spy)
+    seqs = rl_seqs(n=4)
+    StepRunner(losses.fold(losses.grpo(), losses.echo_env(coef=0.1))).accumulate(trainer, seqs)
+    (fwd,), (bwd,) = seen["forward"], seen["forward_backward"]
+    assert all(a is b for a, b in zip(fwd, bwd, strict=True))
+
+
+# -- both step paths on Fireworks equal the local trainer -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "term, mode, plan, passes",
+    [
+        (lambda: losses.grpo(), "auto", "builtin", (2, 2)),
+        (lambda: losses.cispo(), "auto", "builtin", (2, 2)),
+        (lambda: losses.fold(losses.grpo(), losses.echo_env(coef=0.1)), "auto", "client", (4, 2)),
+        (lambda: losses.grpo(kl_coef=0.0, dual_clip=3.0), "client", "client", (4, 2)),
+        (
+            lambda: losses.fold(losses.grpo(), losses.echo_env(coef=0.1)),
+            "two_pass",
+            "two_pass",
+            (4, 4),
+        ),
+    ],
+)
+def test_step_paths_match_the_local_trainer(tmp_path, term, mode, plan, passes):
+    world, trainer = make_fw(tmp_path)
+    local = LocalTrainer(CFG)
+    seqs = rl_seqs(seed=1)
+    t = term()
+    for _ in range(2):
+        m_fw = StepRunner(t, mode=mode).step(trainer, seqs, ADAM, num_microbatches=2)
+        m_local = StepRunner(t, mode=mode).step(local, seqs, ADAM, num_microbatches=2)
+    assert m_fw[f"plan/{plan}"] == 1.0
+    assert (m_fw["passes/forwards"], m_fw["passes/backwards"]) == passes
+    assert m_fw["loss"] == pytest.approx(m_local["loss"], rel=1e-6)
+    if plan == "client":  # the term's loss, never the surrogate loss:sum
+        assert m_fw["loss"] != pytest.approx(m_fw["surrogate_loss"])
+    assert_params_equal(trainer.client.local.params, local.params)
+    assert world.counters["forward_backward"] == 2 * passes[1]  # two steps
+    assert world.counters["optim_step"] == 2
+
+
+def test_precomputed_forward_saves_a_pass(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    local = LocalTrainer(CFG)
+    seqs = rl_seqs(seed=2)
+    term = losses.fold(losses.grpo(), losses.echo_env(coef=0.1))
+    fwd = trainer.forward([s.with_inputs() for s in seqs])
+    m = StepRunner(term).step(trainer, seqs, ADAM, forward=fwd)
+    StepRunner(term).step(local, seqs, ADAM, forward=local.forward(seqs))
+    assert (m["passes/forwards"], m["passes/backwards"]) == (1, 1)
+    assert world.counters["forward"] == 1 and world.counters["forward_backward"] == 1
+    assert_params_equal(trainer.client.local.params, local.params)
+
+
+def test_sft_cross_entropy_on_fireworks(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    local = LocalTrainer(CFG)
+    examples = [([1, 2, 3], [4, 5, 6]), ([7, 8], [9, 10, 11, 12]), ([3], [2, 1])]
+    sequences, attention, loss_mask = runner.collate_sft(examples)
+    seqs = runner.translate_sft_batch(sequences, attention, loss_mask, max_seq_len=64)
+    r_fw = trainer.forward_backward(seqs, "cross_entropy")
+    r_local = local.forward_backward(seqs, "cross_entropy")
+    assert r_fw.metrics["loss:sum"] == pytest.approx(r_local.metrics["loss:sum"], rel=1e-6)
+    assert r_fw.metrics["response_tokens"] == 9.0  # the SDK's client-side count
+    assert "loss" not in r_fw.metrics  # loss:sum stays under its own key
+    for a, b in zip(r_fw.logprobs, r_local.logprobs, strict=True):
+        assert a.dtype == np.float32 and np.array_equal(a, b)
+    trainer.optim_step(ADAM, "none")
+    local.optim_step(ADAM, "none")
+    assert_params_equal(trainer.client.local.params, local.params)
+
+
+def test_cross_entropy_backward_without_logprobs(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    world.ce_backward_logprobs = False
+    seqs = [make_seq([1, 2, 3, 4], weights=[0.0, 1.0, 1.0])]
+    result = trainer.forward_backward(seqs, "cross_entropy")
+    assert result.logprobs == [] and np.isfinite(result.metrics["loss:sum"])
+
+
+def test_optim_step_sends_explicit_none_and_maps_adam(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    seqs = [make_seq([1, 2, 3, 4], weights=[0.0, 1.0, 1.0])]
+    adam = AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1)
+    for normalization, wire in [
+        ("none", "none"),
+        (None, "none"),
+        ("num_loss_tokens", "num_loss_tokens"),
+        ("num_sequences", "num_sequences"),
+    ]:
+        trainer.forward_backward(seqs, "cross_entropy")
+        trainer.optim_step(adam, normalization)
+        kind, body = world.requests[-1]
+        assert kind == "optim_step" and body["grad_accumulation_normalization"] == wire
+        assert body["adam_params"] == {
+            "learning_rate": 3e-3,
+            "beta1": 0.8,
+            "beta2": 0.9,
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+            "grad_clip_norm": 0.0,
+        }
+    # The SDK omits the field for None (the server's default then applies): we never send None.
+    assert _grad_accumulation_normalization_value(None) is None
+    assert _grad_accumulation_normalization_value(GradAccNormalization.NONE) == "none"
+    with pytest.raises(ValueError, match="unknown normalization"):
+        trainer.optim_step(adam, "mean")
+    with pytest.raises(ValueError, match="runner.AdamParams"):
+        trainer.optim_step(types.AdamParams(), "none")
+
+
+# -- sampling -------------------------------------------------------------------------------
+
+
+def test_sampling_matches_local_and_hot_loads_once_per_weights_version(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    local = LocalTrainer(CFG)
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    kw = dict(num_samples=3, max_tokens=6, temperature=1.0, seed=11, stop_token_ids=[0, 1])
+    for _ in range(2):
+        a, b = trainer.sample(prompts, **kw), local.sample(prompts, **kw)
+        for sa, sb in zip(sum(a, []), sum(b, []), strict=True):
+            assert np.array_equal(sa.tokens, sb.tokens) and sa.stop_reason == sb.stop_reason
+            assert sa.logprobs.dtype == np.float32 and np.array_equal(sa.logprobs, sb.logprobs)
+    assert trainer.counters["sampler_sync"] == 1 and trainer.counters["sample"] == 6
+    seqs = [make_seq([1, 2, 3, 4], weights=[0.0, 1.0, 1.0])]
+    trainer.forward_backward(seqs, "cross_entropy")
+    trainer.optim_step(ADAM)
+    local.forward_backward(seqs, "cross_entropy")
+    local.optim_step(ADAM)
+    greedy = dict(num_samples=1, max_tokens=5, temperature=0.0, seed=0)
+    a, b = trainer.sample(prompts, **greedy), local.sample(prompts, **greedy)
+    assert [s.tokens.tolist() for s in sum(a, [])] == [s.tokens.tolist() for s in sum(b, [])]
+    assert trainer.counters["sampler_sync"] == 2
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def _ppo_seq(**override):
+    inputs = dict(logprobs=[0.0, -0.5, -0.7], advantages=[0.0, 1.0, 1.0])
+    inputs.update(override)
+    return Seq(np.array([1, 2, 3, 4]), {k: np.asarray(v) for k, v in inputs.items()})
+
+
+@pytest.mark.parametrize(
+    "seqs, loss, match",
+    [
+        ([_ppo_seq(), Seq(np.array([1, 2, 3]), {"logprobs": np.zeros(2)})], "ppo",
+         r"sequence 1: missing required field 'advantages'"),
+        ([_ppo_seq(action_mask=[0.0, 1.0, 1.0])], "ppo",
+         r"sequence 0: field 'action_mask' is not an input of kernel 'ppo'"),
+        ([_ppo_seq(advantages=[0.0, np.nan, 1.0])], "ppo",
+         r"sequence 0: field 'advantages' has a non-finite value nan at target 1"),
+        ([_ppo_seq(advantages=[0.0, 1e39, 1.0])], "ppo",
+         r"sequence 0: field 'advantages' value 1e\+39 at target 1 is not a finite float32"),
+        ([_ppo_seq(advantages=[0.0, 1.0])], "ppo",
+         r"sequence 0: field 'advantages' has shape \(2,\), expected \(3,\)"),
+        ([_ppo_seq(advantages=np.array([False, True, True]))], "ppo",
+         r"sequence 0: field 'advantages' must be numeric"),
+        ([_ppo_seq(logprobs=[0.0, 0.5, -0.7])], "ppo",
+         r"sequence 0: field 'logprobs' has a positive logprob 0.5 at target 1"),
+        ([_ppo_seq(target_tokens=[2, 3, 5])], "ppo",
+         r"sequence 0: field 'target_tokens' must equal tokens\[1:\]"),
+        ([Seq(np.array([1, -2, 3]), {"weights": np.ones(2)})], "cross_entropy",
+         r"sequence 0: token -2 at position 1 is < 0"),
+        ([Seq(np.arange(70) % VOCAB, {"weights": np.ones(69)})], "cross_entropy",
+         r"sequence 0: model-input length 69 exceeds max_seq_len=64"),
+        ([Seq(np.array([1.0, 2.0]), {"weights": np.ones(1)})], "cross_entropy",
+         r"sequence 0: tokens must be integers"),
+        ([], "cross_entropy", r"empty batch"),
+        ([_ppo_seq()], "reinforce", r"unknown loss 'reinforce'; expected one of"),
+        ([_ppo_seq()], "grpo", r"unknown loss 'grpo'"),
+    ],
+)  # fmt: skip
+def test_bad_input_names_the_sequence_and_field(tmp_path, seqs, loss, match):
+    world, trainer = make_fw(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        trainer.forward_backward(seqs, loss)
+    assert not world.requests  # nothing reached the trainer
+
+
+@pytest.mark.parametrize(
+    "loss, config, match",
+    [
+        ("ppo", {"beta": 0.1}, r"ppo: unknown loss_fn_config key 'beta'; allowed keys"),
+        ("ppo", {"ratio_log_cap": 20.0}, r"unknown loss_fn_config key 'ratio_log_cap'"),
+        ("ppo", {"clip_low_threshold": float("inf")}, r"'clip_low_threshold' must be finite"),
+        ("ppo", {"clip_low_threshold": True}, r"'clip_low_threshold' must be a number"),
+        ("dppo", {"divergence": "kl"}, r"'divergence' must be one of"),
+        ("cross_entropy", {"target_logprob_support": "all"}, r"target_logprob_support"),
+    ],
+)
+def test_bad_loss_config(tmp_path, loss, config, match):
+    world, trainer = make_fw(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        trainer.forward_backward([_ppo_seq()], loss, config)
+
+
+def test_a_capability_gated_value_is_refused(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    seqs = [make_seq([1, 2, 3, 4], weights=[0.0, 1.0, 1.0])]
+    # a valid value the trainer does not advertise (the fake mirrors the SDK's inline check)
+    with pytest.raises(ValueError, match="sampling_support"):
+        trainer.forward_backward(
+            seqs, "cross_entropy", {"target_logprob_support": "sampling_support"}
+        )
+
+
+def test_bad_sample_arguments(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    with pytest.raises(ValueError, match="empty batch"):
+        trainer.sample([], num_samples=1, max_tokens=2)
+    with pytest.raises(ValueError, match="prompt 1: tokens must be non-negative integers"):
+        trainer.sample([[1], [-1]], num_samples=1, max_tokens=2)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
+        trainer.sample([[1] * 60], num_samples=1, max_tokens=8)
+    with pytest.raises(ValueError, match="seed must be < 2\\*\\*32"):
+        trainer.sample([[1]], num_samples=1, max_tokens=2, seed=2**32)
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        trainer.sample([[1]], num_samples=1, max_tokens=2, temperature=-1.0)
+
+
+# -- configuration --------------------------------------------------------------------------
+
+FW_SET = [
+    "run.backend='fireworks'",
+    "fireworks.base_model='accounts/fireworks/models/qwen3-8b'",
+    "fireworks.training_shape_id='ts-qwen3-8b-policy'",
+]
+
+
+def _cfg(*extra: str):
+    return load_config(ROOT / "examples" / "tiny.toml", [*FW_SET, *extra])
+
+
+def test_valid_fireworks_config_and_defaults():
+    cfg = _cfg()
+    f = cfg.fireworks
+    assert (f.trainer_job_id, f.deployment_id, f.modality) == ("", "", "auto")
+    assert f.delete_trainer_after_promotion is True and f.identity_timeout_s == 90.0
+    assert cfg.identity() == _cfg("fireworks.output_model_id='final-model'").identity()
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["fireworks.base_model=''"], r"\[fireworks\]\.base_model is required"),
+        (["fireworks.training_shape_id=''"], r"\[fireworks\]\.training_shape_id is required"),
+        (["fireworks.base_model='accounts/fireworks/models/qwen2p5-vl-32b-instruct'"],
+         r"vision-language model \(by its name\).*modality = \"text\""),
+        (["fireworks.modality='vision'"], r"vision-language model \(declared by"),
+        (["fireworks.modality='audio'"], r"modality must be one of"),
+        (["fireworks.output_model_id='My_Model'"],
+         r"output_model_id is invalid: .*Must be lowercase a-z, 0-9, or hyphen"),
+        ([f"fireworks.output_model_id='{'a' * 64}'"], r"too long \(64 chars\)"),
+        (["run.output_dir=''"], r"checkpointing needs a path"),
+        (["fireworks.max_seq_len=32"], r"\[model\]\.max_seq_len \(64\) exceeds"),
+        (["rl.kl_coef=0.1"], r"kl_coef > 0 .* local backend only"),
+        (["fireworks.api_key_env='MY KEY'"], r"api_key_env must be an environment variable name"),
+        (["fireworks.base_url='ftp://x'"], r"base_url must be an http\(s\) URL"),
+        (["fireworks.request_timeout_s=0"], r"request_timeout_s must be > 0"),
+        (["fireworks.identity_timeout_s=-1"], r"identity_timeout_s must be > 0"),
+    ],
+)  # fmt: skip
+def test_config_validation_messages(extra, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(*extra)
+
+
+def test_vision_override_and_local_backend_untouched():
+    cfg = _cfg(
+        "fireworks.base_model='accounts/fireworks/models/qwen2p5-vl-32b-instruct'",
+        "fireworks.modality='text'",
+    )
+    assert cfg.fireworks.modality == "text"
+    # the local backend ignores the [fireworks] section entirely
+    load_config(ROOT / "examples" / "tiny.toml", ["fireworks.base_model='llava-13b'"])
+
+
+def test_missing_api_key_names_the_variable_only():
+    with pytest.raises(ValueError, match="set the environment variable FW_TEST_KEY_ABSENT"):
+        api_key_from_env("FW_TEST_KEY_ABSENT", {})
+    with pytest.raises(ValueError, match="FW_TEST_KEY_BLANK"):
+        api_key_from_env("FW_TEST_KEY_BLANK", {"FW_TEST_KEY_BLANK": "  "})
+    assert api_key_from_env("K", {"K": " fw_abc "}) == "fw_abc"
+
+
+@pytest.mark.parametrize(
+    "name, vlm",
+    [
+        ("accounts/fireworks/models/qwen2p5-vl-32b-instruct", True),
+        ("accounts/fireworks/models/qwen3-vl-30b-a3b-instruct", True),
+        ("accounts/fireworks/models/llama-v3p2-11b-vision-instruct", True),
+        ("accounts/fireworks/models/phi-3-vision-128k-instruct", True),
+        ("accounts/fireworks/models/llava-yi-34b", True),
+        ("accounts/fireworks/models/llama4-maverick-instruct-basic", True),
+        ("deepseek-vl2", True),
+        ("glm-4v-9b", True),
+        ("glm-4p5v", True),
+        ("minicpm-v-2_6", True),
+        ("accounts/fireworks/models/qwen3-8b", False),
+        ("accounts/fireworks/models/llama-v3p1-8b-instruct", False),
+        ("accounts/fireworks/models/deepseek-v3", False),
+        ("accounts/fireworks/models/mistral-7b-instruct-v0p2", False),
+        ("accounts/fireworks/models/gpt-oss-20b", False),
+        ("accounts/fireworks/models/kimi-k2-instruct", False),
+    ],
+)
+def test_vision_model_name_rule(name, vlm):
+    assert is_vision_model(name) is vlm
+
+
+def test_trainer_refuses_a_vision_model(tmp_path):
+    world = FakeFireworks(tmp_path, CFG)
+    with pytest.raises(ValueError, match="vision-language model"):
+        FireworksTrainer(world.connect(), base_model="accounts/fireworks/models/qwen2-vl-7b")
+
+
+# -- import hygiene -------------------------------------------------------------------------
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_local_backend_never_imports_the_sdk():
+    code = f"""
+import sys
+import losses, runner, runner.train, runner.__main__, runner.fireworks
+from runner.config import load_config
+from runner.train import make_trainer
+cfg = load_config({str(ROOT / "examples" / "tiny.toml")!r})
+make_trainer(cfg, __import__("pathlib").Path("unused"))
+bad = sorted(m for m in sys.modules if m.startswith(("fireworks", "torch")))
+assert not bad, bad
+"""
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_fireworks_backend_runs_without_torch(tmp_path):
+    code = f"""
+import sys
+sys.modules["torch"] = None  # `import torch` now raises ImportError, as without torch
+sys.path.insert(0, {str(ROOT)!r})
+import numpy as np, losses, runner
+from runner.fireworks import FireworksTrainer
+from runner.local import LocalTrainerConfig
+from tests.fireworks_fake import FakeFireworks
+cfg = LocalTrainerConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=1, d_ff=8, max_seq_len=16)
+world = FakeFireworks({str(tmp_path)!r}, cfg)
+client = world.connect()
+t = FireworksTrainer(client, base_model="qwen3-8b", trainer_job_id=client.job.id,
+                     control_plane=world.control, settle_s=0, poll_interval_s=0.01)
+m = np.array([0.0, 1.0, 1.0, 1.0])
+seq = runner.make_seq([1, 2, 3, 4, 5], action_mask=m, advantages=m, sampling_logprobs=-m,
+                      obs_mask=0 * m)
+for term in (losses.grpo(), losses.fold(losses.grpo(), losses.echo_env(coef=0.1))):
+    runner.StepRunner(term).step(t, [seq, seq], runner.AdamParams())
+t.sample([[1, 2]], num_samples=2, max_tokens=3)
+assert "torch" not in [k for k, v in sys.modules.items() if v is not None]
+"""
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_trainer_holds_no_api_key(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    assert "key" not in repr(trainer).lower()
+    assert not [k for k in vars(trainer) if "key" in k.lower()]
+
+
+def test_dataclass_config_fields_are_typed():
+    from runner.config import FireworksConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(FireworksConfig)}
+    assert "api_key" not in fields and fields["api_key_env"] == "FIREWORKS_API_KEY"
