@@ -75,7 +75,7 @@ def torch_loss_fn(
         value, metrics, grads = loss.value_and_grads(lps, seqs, norms)
         linear = None
         for lp, g in zip(logprobs_list, grads, strict=True):
-            part = (lp.reshape(-1) * torch.as_tensor(g, dtype=lp.dtype, device=lp.device)).sum()
+            part = (lp.reshape(-1) * torch.tensor(g, dtype=lp.dtype, device=lp.device)).sum()
             linear = part if linear is None else linear + part
         ref = logprobs_list[0]
         total = linear - linear.detach() + torch.tensor(value, dtype=ref.dtype, device=ref.device)
