@@ -314,8 +314,12 @@ class FireworksTrainer:
 
         The weights are hot-loaded once per version (after each ``optim_step``/load). Prompt
         ``i`` samples with ``seed = prompt_seed(seed, i)``; all prompts are submitted before any
-        result is awaited. ``stop_token_ids`` go out as integer stop sequences (the SDK's
-        deployment sampler decodes them with its tokenizer).
+        result is awaited. ``stop_token_ids`` are applied client-side: each completion is cut
+        after its first stop token (kept, with its logprob; ``stop_reason="stop"``). The SDK's
+        deployment sampler only takes string stops (integer ids need a tokenizer it does not have
+        by default), and a server-side stop may drop the stop token; the cut is exact because a
+        completion's prefix does not depend on what is sampled after it. Cost: up to
+        ``max_tokens`` generated tokens per completion.
 
         Returns:
           ``result[p][j]``: a `runner.Sample` (int64 tokens, float32 sampling logprobs).
@@ -343,10 +347,7 @@ class FireworksTrainer:
         futures = []
         for i, a in enumerate(arrays):
             params = types.SamplingParams(
-                max_tokens=max_tokens,
-                temperature=float(temperature),
-                seed=prompt_seed(seed, i),
-                stop=stops or None,
+                max_tokens=max_tokens, temperature=float(temperature), seed=prompt_seed(seed, i)
             )
             prompt = types.ModelInput.from_ints(a.tolist())
             futures.append(sampler.sample(prompt, num_samples, params))
@@ -357,7 +358,7 @@ class FireworksTrainer:
             seqs = list(response.sequences)
             if len(seqs) != num_samples:
                 raise RuntimeError(f"prompt {i}: got {len(seqs)} samples, expected {num_samples}")
-            out.append([_to_sample(s, i) for s in seqs])
+            out.append([_to_sample(s, i, stops) for s in seqs])
         return out
 
     # -- Trainer-protocol checkpoints (the run-level contract is save_resumable & co.) ------
@@ -699,7 +700,7 @@ def _check_prompts(prompts: Any) -> list[np.ndarray]:
     return arrays
 
 
-def _to_sample(seq: Any, prompt: int) -> Sample:
+def _to_sample(seq: Any, prompt: int, stops: Sequence[int]) -> Sample:
     tokens = getattr(seq, "tokens_np", None)
     tokens = np.asarray(seq.tokens if tokens is None else tokens, np.int64).reshape(-1)
     logprobs = getattr(seq, "logprobs_np", None)
@@ -711,10 +712,13 @@ def _to_sample(seq: Any, prompt: int) -> Sample:
         raise RuntimeError(
             f"prompt {prompt}: {logprobs.shape[0]} logprobs for {tokens.shape[0]} sampled tokens"
         )
-    stop = str(seq.stop_reason)
-    return Sample(
-        tokens=tokens, logprobs=logprobs, stop_reason="stop" if stop == "stop" else "length"
-    )
+    stop = "stop" if str(seq.stop_reason) == "stop" else "length"
+    if stops:
+        hits = np.flatnonzero(np.isin(tokens, stops))
+        if hits.size:
+            end = int(hits[0]) + 1
+            tokens, logprobs, stop = tokens[:end], logprobs[:end], "stop"
+    return Sample(tokens=tokens, logprobs=logprobs, stop_reason=stop)
 
 
 # -- construction from the main job's config ----------------------------------------------
