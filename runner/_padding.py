@@ -3,6 +3,10 @@
 Padding to buckets keeps jit compilations to one per ``(rows, length)`` bucket instead of one per
 step (DESIGN.md §7). Padding rows and columns are all-zero masks, so they change no loss (the
 ``losses`` terms are padding-invariant and ``N`` never counts all-zero rows).
+
+Padded arrays are allocated 64-byte aligned (`aligned_zeros`): XLA:CPU then uses the numpy buffer
+as the device buffer without copying it (a plain ``np.zeros`` is only 16-byte aligned, and each
+``[256, 4096]`` float32 field would cost a ~4 MB copy per call).
 """
 
 from __future__ import annotations
@@ -40,19 +44,42 @@ def row_bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+#: Alignment (bytes) of padded buffers; XLA:CPU aliases host buffers with this alignment.
+ALIGNMENT = 64
+
+
+def aligned_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """A zero array whose data starts on an `ALIGNMENT`-byte boundary (zero-copy into XLA:CPU).
+
+    Callers must not write to it once it has been handed to JAX (it may be aliased).
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 def pad_ragged(
     arrays: Sequence[np.ndarray], length: int, rows: int, dtype=np.float32
 ) -> np.ndarray:
-    """Right-pads 1-D arrays into a zero ``[rows, length]`` array."""
-    out = np.zeros((rows, length), dtype=dtype)
+    """Right-pads 1-D arrays into a zero ``[rows, length]`` array (64-byte aligned)."""
+    out = aligned_zeros((rows, length), dtype)
     for i, a in enumerate(arrays):
         out[i, : a.shape[0]] = a
     return out
 
 
-def unpad(padded: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
-    """The inverse of `pad_ragged`: row ``i`` cut to ``lengths[i]``."""
-    return [np.asarray(padded[i, :n]) for i, n in enumerate(lengths)]
+def unpad(padded: np.ndarray, lengths: Sequence[int], dtype=None) -> list[np.ndarray]:
+    """The inverse of `pad_ragged`: row ``i`` cut to ``lengths[i]``.
+
+    With ``dtype`` different from ``padded.dtype`` each row is converted on its own (a fresh
+    array per row, converting only the real entries); otherwise the rows are views.
+    """
+    padded = np.asarray(padded)
+    if dtype is None or np.dtype(dtype) == padded.dtype:
+        return [padded[i, :n] for i, n in enumerate(lengths)]
+    return [padded[i, :n].astype(dtype) for i, n in enumerate(lengths)]
 
 
 def normalizers(seqs: Sequence[Seq]) -> dict[str, float]:
@@ -66,13 +93,35 @@ def normalizers(seqs: Sequence[Seq]) -> dict[str, float]:
     for s in seqs:
         a = s.inputs.get("action_mask")
         o = s.inputs.get("obs_mask")
+        a = None if a is None else np.asarray(a)
+        o = None if o is None else np.asarray(o)
         a_sum = float(np.sum(a)) if a is not None else 0.0
         o_sum = float(np.sum(o)) if o is not None else 0.0
         action_total += a_sum
         obs_total += o_sum
-        if (a is not None and np.any(a > 0)) or (o is not None and np.any(o > 0)):
+        # ``max() > 0`` is ``any(x > 0)`` without the temporary boolean array.
+        if (a is not None and a.size and a.max() > 0) or (o is not None and o.size and o.max() > 0):
             rows += 1
     return {"num_rows": rows, "num_action_tokens": action_total, "num_obs_tokens": obs_total}
+
+
+def padded_normalizers(action_BT: np.ndarray, obs_BT: np.ndarray | None) -> dict[str, float]:
+    """`normalizers` computed from padded masks (padding is all-zero, so it never counts).
+
+    Equal to `normalizers` of the sequences for masks whose values the padded dtype holds
+    exactly (0/1 masks always), at a fraction of the cost: a few vectorized passes instead of
+    several small numpy calls per sequence.
+    """
+    has = action_BT.max(axis=1) > 0
+    obs_total = 0.0
+    if obs_BT is not None:
+        has |= obs_BT.max(axis=1) > 0
+        obs_total = float(np.sum(obs_BT, dtype=np.float64))
+    return {
+        "num_rows": int(np.count_nonzero(has)),
+        "num_action_tokens": float(np.sum(action_BT, dtype=np.float64)),
+        "num_obs_tokens": obs_total,
+    }
 
 
 def seqs_to_batch(
@@ -80,13 +129,14 @@ def seqs_to_batch(
     *,
     length: int,
     rows: int,
-    norms: Mapping[str, float],
+    norms: Mapping[str, float] | None,
     dtype=np.float32,
 ) -> losses.Batch:
     """A padded `losses.Batch` from the sequences' per-token inputs (missing fields → None).
 
     ``action_mask`` is required on every sequence (a missing one is an error naming the
-    sequence); other fields must be present on all sequences or on none.
+    sequence); other fields must be present on all sequences or on none. ``norms=None`` sets
+    the batch's own normalizers (`padded_normalizers`).
     """
     fields: dict[str, np.ndarray | None] = {}
     for name in BATCH_FIELDS:
@@ -102,6 +152,8 @@ def seqs_to_batch(
                 f"sequence {i}: missing field '{name}' that other sequences in the batch have"
             )
         fields[name] = pad_ragged([s.inputs[name] for s in seqs], length, rows, dtype)
+    if norms is None:
+        norms = padded_normalizers(fields["action_mask"], fields["obs_mask"])
     for name, value in norms.items():
         fields[name] = np.asarray(value, dtype=dtype)
     return losses.Batch(**fields)

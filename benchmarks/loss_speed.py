@@ -1,0 +1,417 @@
+"""Client-side loss speed: ragged per-sequence logprobs in, per-sequence ``-grad`` weights out.
+
+One evaluation of GRPO (clip 0.2/0.28, k3 KL β=0.05, token mean) + ECHO env CE (λ=0.05,
+seq_mean_token_mean) and its gradient, at B ∈ {64, 256} sequences, T ∈ {1024, 4096} (sequence
+lengths uniform in [T/2, T], the longest exactly T; a 128-token prompt, then alternating action
+and observation turns). Inputs are what the runner holds: float32 trainer logprobs and float64
+per-token ``action_mask``, ``obs_mask``, ``advantages``, ``sampling_logprobs``,
+``ref_logprobs``; the output is one float ``-dL/dlogprobs`` array per sequence. Implementations:
+
+  foldloss   ``runner.ClientLoss.value_and_grads`` (warm; the first call's compilation is
+             reported separately), then ``-g`` per sequence
+  torch      a per-sequence PyTorch loop in the style of the Fireworks cookbook's client closure
+             (``run_loss_loop``: per datum, ``requires_grad`` logprob tensors, per-datum metrics
+             with ``.item()``, ``.backward()``, ``-grad``); skipped when torch is not installed
+  numpy      vectorized NumPy over the concatenated tokens with the analytic gradient
+  bound      the memory-bandwidth bound: a plain copy of the bytes the loss must read (the
+             inputs above) and write (a float64 gradient per token), as ``np.copyto`` and as a
+             jitted XLA elementwise copy; the faster of the two is the bound
+
+All four compute the same loss; each is checked against foldloss (loss and gradient). Times are
+medians of several repeats measured side by side in one run; ratios are what to compare.
+
+Run: ``python benchmarks/loss_speed.py [--quick] [--out PATH] [--repeats N]``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+
+_common.setup()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import losses  # noqa: E402
+from runner import ClientLoss, Seq  # noqa: E402
+
+NAME = "loss_speed"
+PROMPT = 128
+CLIP_LOW, CLIP_HIGH, KL_COEF, ECHO_COEF, MAX_LOG_RATIO = 0.2, 0.28, 0.05, 0.05, 20.0
+FIELDS = ("action_mask", "obs_mask", "advantages", "sampling_logprobs", "ref_logprobs")
+#: Targets of the issue, checked at the largest configuration.
+TARGET_TORCH_SPEEDUP = 50.0
+TARGET_BOUND_RATIO = 4.0
+TARGET_CONFIG = (256, 4096)
+
+
+def make_term():
+    return losses.fold(
+        losses.grpo(
+            clip_low=CLIP_LOW,
+            clip_high=CLIP_HIGH,
+            kl_coef=KL_COEF,
+            kl_estimator="k3",
+            reduction="token_mean",
+            max_log_ratio=MAX_LOG_RATIO,
+        ),
+        losses.echo_env(coef=ECHO_COEF, normalization="seq_mean_token_mean"),
+    )
+
+
+def make_batch(num: int, length: int, seed: int = 0) -> tuple[list[Seq], list[np.ndarray]]:
+    """``num`` ragged sequences (targets uniform in [length/2, length], the first = length)."""
+    rng = np.random.default_rng(seed)
+    seqs, lps = [], []
+    for i in range(num):
+        n = length if i == 0 else int(rng.integers(length // 2, length + 1))
+        kind = np.zeros(n, np.int8)  # 0 prompt / wrapper, 1 action, 2 observation
+        t = PROMPT - 1  # targets 0..126 are prompt tokens 1..127
+        while t < n:
+            a = int(rng.integers(16, 257))
+            kind[t : t + a] = 1
+            t += a
+            o = int(rng.integers(8, 129))
+            kind[t : t + o] = 2
+            t += o
+        action = (kind == 1).astype(np.float64)
+        lp = -rng.exponential(1.0, n).astype(np.float32)
+        seqs.append(
+            Seq(
+                np.zeros(n + 1, np.int64),
+                dict(
+                    action_mask=action,
+                    obs_mask=(kind == 2).astype(np.float64),
+                    advantages=float(rng.normal()) * action,
+                    sampling_logprobs=np.minimum(lp + rng.normal(0.0, 0.1, n), 0.0) * action,
+                    ref_logprobs=np.minimum(lp - 0.05, 0.0) * action,
+                ),
+            )
+        )
+        lps.append(lp)
+    return seqs, lps
+
+
+# -- foldloss -------------------------------------------------------------------------------------
+
+
+def foldloss_fn(client: ClientLoss):
+    def run(lps, seqs):
+        value, metrics, grads = client.value_and_grads(lps, seqs)
+        return value, [-g for g in grads]
+
+    return run
+
+
+# -- numpy ---------------------------------------------------------------------------------------
+
+
+def numpy_loss(lps: list[np.ndarray], seqs: list[Seq]):
+    """Vectorized value + analytic gradient over the concatenated tokens (float64)."""
+    lengths = np.fromiter((s.num_targets for s in seqs), np.int64, len(seqs))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    lp = np.concatenate(lps).astype(np.float64)
+    f = {k: np.concatenate([s.inputs[k] for s in seqs]) for k in FIELDS}
+    act, obs = f["action_mask"] > 0, f["obs_mask"] > 0
+    w = f["action_mask"] / max(float(f["action_mask"].sum()), 1.0)  # token_mean weights
+    rows = np.count_nonzero(
+        np.maximum.reduceat(np.maximum(f["action_mask"], f["obs_mask"]), starts)
+    )
+    obs_count = np.add.reduceat(f["obs_mask"], starts)
+    w_env = (
+        ECHO_COEF * f["obs_mask"] / (max(rows, 1) * np.repeat(np.maximum(obs_count, 1.0), lengths))
+    )
+    adv = np.where(act, f["advantages"], 0.0)
+    d = np.where(act, lp - f["sampling_logprobs"], 0.0)
+    lr = np.clip(d, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    r = np.exp(lr)
+    unclipped, clipped = -adv * r, -adv * np.clip(r, 1 - CLIP_LOW, 1 + CLIP_HIGH)
+    pg = np.maximum(unclipped, clipped)
+    inside = (r >= 1 - CLIP_LOW) & (r <= 1 + CLIP_HIGH)
+    d_pg = np.where(inside | (unclipped > clipped), -adv * r, 0.0) * (np.abs(d) < MAX_LOG_RATIO)
+    dk = np.where(act, lp - f["ref_logprobs"], 0.0)
+    delta = np.clip(dk, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    k3 = np.expm1(-delta) + delta
+    d_k3 = -np.expm1(-delta) * (np.abs(dk) < MAX_LOG_RATIO)
+    nll = -np.where(obs, lp, 0.0)
+    value = float(np.sum(w * (pg + KL_COEF * k3)) + np.sum(w_env * nll))
+    neg_grad = w_env - w * (d_pg + KL_COEF * d_k3)
+    n_act = max(int(act.sum()), 1)
+    metrics = {
+        "clip_frac_low": float(np.sum(act & (adv < 0) & (r < 1 - CLIP_LOW)) / n_act),
+        "clip_frac_high": float(np.sum(act & (adv > 0) & (r > 1 + CLIP_HIGH)) / n_act),
+        "ratio_mean": float(np.sum(np.where(act, r, 0.0)) / n_act),
+        "kl": float(np.sum(np.where(act, k3, 0.0)) / n_act),
+        "nll": float(np.sum(nll) / max(int(obs.sum()), 1)),
+    }
+    return value, np.split(neg_grad, starts[1:]), metrics
+
+
+# -- torch ---------------------------------------------------------------------------------------
+
+
+def torch_loss_fn():
+    """The cookbook-style per-datum closure (fireworks-sdk.md §3.1 step 4-6, §6.2-6.3), or None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+
+    def run(lps: list[np.ndarray], seqs: list[Seq]):
+        # forward_backward_custom step 4: one requires_grad tensor per datum.
+        logprobs = [torch.tensor(lp).requires_grad_(True) for lp in lps]
+        # The batch normalizers the closure captures (like advantages, they live in the closure).
+        n_act = max(sum(float(s.inputs["action_mask"].sum()) for s in seqs), 1.0)
+        n_rows = max(
+            sum(1 for s in seqs if s.inputs["action_mask"].any() or s.inputs["obs_mask"].any()), 1
+        )
+        total = torch.zeros((), dtype=torch.float32)
+        clip_low = clip_high = ratio_sum = kl_sum = active_tokens = 0.0
+        for pi, s in zip(logprobs, seqs, strict=True):  # run_loss_loop: one datum at a time
+            m = torch.as_tensor(s.inputs["action_mask"], dtype=torch.float32)
+            o = torch.as_tensor(s.inputs["obs_mask"], dtype=torch.float32)
+            adv = torch.as_tensor(s.inputs["advantages"], dtype=torch.float32)
+            old = torch.as_tensor(s.inputs["sampling_logprobs"], dtype=torch.float32)
+            ref = torch.as_tensor(s.inputs["ref_logprobs"], dtype=torch.float32)
+            active = m > 0.5
+            zero = torch.zeros_like(pi)
+            pi_a = torch.where(active, pi, zero)
+            log_ratio = torch.clamp(pi_a - torch.where(active, old, zero), -20.0, 20.0)
+            ratio = torch.exp(log_ratio)
+            pg = torch.maximum(-ratio * adv, -torch.clamp(ratio, 1 - CLIP_LOW, 1 + CLIP_HIGH) * adv)
+            delta = torch.clamp(pi_a - torch.where(active, ref, zero), -20.0, 20.0)
+            k3 = torch.expm1(-delta) + delta
+            total = total + ((pg + KL_COEF * k3) * m).sum() / n_act
+            n_obs = float(o.sum())
+            if n_obs > 0:  # ECHO env CE, folded into the same closure (rLLM #688 style)
+                nll = -torch.where(o > 0.5, pi, zero)
+                total = total + ECHO_COEF / (n_rows * n_obs) * (nll * o).sum()
+            with torch.no_grad():  # per-datum metrics, as the cookbook's loop accumulates them
+                a = active
+                clip_low += ((ratio < 1 - CLIP_LOW) & (adv < 0) & a).sum().item()
+                clip_high += ((ratio > 1 + CLIP_HIGH) & (adv > 0) & a).sum().item()
+                ratio_sum += (ratio * m).sum().item()
+                kl_sum += (k3 * m).sum().item()
+                active_tokens += m.sum().item()
+        total.backward()
+        # Step 6: weights = -dC/dlogprobs per datum.
+        weights = [(-pi.grad).numpy() for pi in logprobs]
+        n = max(active_tokens, 1.0)
+        metrics = {
+            "clip_frac_low": clip_low / n,
+            "clip_frac_high": clip_high / n,
+            "ratio_mean": ratio_sum / n,
+            "kl": kl_sum / n,
+        }
+        return float(total.item()), weights, metrics
+
+    run.threads = torch.get_num_threads()
+    run.version = torch.__version__
+    return run
+
+
+# -- bandwidth bound ------------------------------------------------------------------------------
+
+
+def bound_fns(nbytes: int):
+    """``np.copyto`` and a jitted XLA copy (``x + 1`` over uint32) of ``nbytes`` bytes."""
+    n32 = -(-nbytes // 4)
+    src = np.random.default_rng(0).integers(0, 2**31, n32, dtype=np.uint32)
+    dst = np.empty_like(src)
+    xla_copy = jax.jit(lambda x: x + np.uint32(1))
+    dev = jax.device_put(src)
+    jax.block_until_ready(xla_copy(dev))
+
+    def numpy_copy():
+        np.copyto(dst, src)
+
+    def xla():
+        jax.block_until_ready(xla_copy(dev))
+
+    return numpy_copy, xla
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+def _check(ref_value, ref_neg_grads, value, neg_grads) -> dict:
+    scale = max(float(np.max(np.abs(g))) for g in ref_neg_grads)
+    diff = max(
+        float(np.max(np.abs(np.asarray(a, np.float64) - b)))
+        for a, b in zip(neg_grads, ref_neg_grads, strict=True)
+    )
+    rel = diff / max(scale, 1e-30)
+    value_rel = abs(value - ref_value) / max(abs(ref_value), 1e-30)
+    return dict(
+        grad_rel_diff=rel, value_rel_diff=value_rel, agrees=rel <= 1e-4 and value_rel <= 1e-4
+    )
+
+
+def run_config(b: int, t: int, repeats: int, torch_repeats: int, torch_fn) -> dict:
+    seqs, lps = make_batch(b, t)
+    real = sum(s.num_targets for s in seqs)
+    in_bytes = sum(lp.nbytes for lp in lps) + sum(s.inputs[k].nbytes for s in seqs for k in FIELDS)
+    out_bytes = real * 8  # float64 gradient per token (ClientLoss.value_and_grads' output)
+    res: dict = dict(B=b, T=t, real_tokens=real, padded_tokens=b * t, bytes=in_bytes + out_bytes)
+
+    client = ClientLoss(make_term())
+    fl = foldloss_fn(client)
+    t0 = time.perf_counter()
+    ref_value, ref_neg = fl(lps, seqs)
+    first = time.perf_counter() - t0
+    numpy_copy, xla_copy = bound_fns(in_bytes + out_bytes)
+    fns = {
+        "foldloss": lambda: fl(lps, seqs),
+        "numpy": lambda: numpy_loss(lps, seqs),
+        "copy_numpy": numpy_copy,
+        "copy_xla": xla_copy,
+    }
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for k in fns:  # warm-up
+        fns[k]()
+    for _ in range(repeats):  # interleaved, so load changes hit every implementation alike
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    med = {k: _common.median(v) for k, v in times.items()}
+    res["compile_s"] = max(first - med["foldloss"], 0.0)
+    res["compile_count"] = client.compile_count
+    res["foldloss_ms"] = med["foldloss"] * 1e3
+    res["foldloss_min_ms"] = min(times["foldloss"]) * 1e3
+    res["numpy_ms"] = med["numpy"] * 1e3
+    res["copy_numpy_ms"] = med["copy_numpy"] * 1e3
+    res["copy_xla_ms"] = med["copy_xla"] * 1e3
+    res["bound_ms"] = min(med["copy_numpy"], med["copy_xla"]) * 1e3
+    res["bound_GBps"] = (in_bytes + out_bytes) / (res["bound_ms"] * 1e-3) / 1e9
+    res["numpy_over_foldloss"] = med["numpy"] / med["foldloss"]
+    res["foldloss_over_bound"] = res["foldloss_ms"] / res["bound_ms"]
+    nv, ng, _ = numpy_loss(lps, seqs)
+    res["numpy_check"] = _check(ref_value, ref_neg, nv, ng)
+    if torch_fn is not None:
+        tv, tg, _ = torch_fn(lps, seqs)  # also the warm-up
+        res["torch_check"] = _check(ref_value, ref_neg, tv, tg)
+        tt, ft = [], []
+        for _ in range(torch_repeats):
+            t0 = time.perf_counter()
+            torch_fn(lps, seqs)
+            tt.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            fl(lps, seqs)
+            ft.append(time.perf_counter() - t0)
+        res["torch_ms"] = _common.median(tt) * 1e3
+        # foldloss re-timed beside torch: the ratio uses times from the same moments.
+        res["torch_over_foldloss"] = _common.median(tt) / _common.median(ft)
+    else:
+        res["torch_ms"] = None
+        res["torch_over_foldloss"] = None
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = _common.parser(NAME, __doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 9; quick 3)")
+    p.add_argument("--torch-repeats", type=int, default=None, help="(default 3; quick 1)")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch loop")
+    args = p.parse_args(argv)
+    configs = (
+        [(8, 256), (16, 512)] if args.quick else [(64, 1024), (64, 4096), (256, 1024), (256, 4096)]
+    )
+    repeats = args.repeats or (3 if args.quick else 9)
+    torch_repeats = args.torch_repeats or (1 if args.quick else 3)
+    torch_fn = None if args.no_torch else torch_loss_fn()
+    torch_status = (
+        "skipped (--no-torch)"
+        if args.no_torch
+        else ("skipped (torch not installed)" if torch_fn is None else f"torch {torch_fn.version}")
+    )
+    print(f"torch baseline: {torch_status}")
+    results = []
+    for b, t in configs:
+        print(f"B={b} T={t} ...", flush=True)
+        results.append(run_config(b, t, repeats, torch_repeats, torch_fn))
+
+    rows = [
+        [
+            r["B"],
+            r["T"],
+            r["foldloss_ms"],
+            r["compile_s"],
+            r["torch_ms"],
+            r["numpy_ms"],
+            r["bound_ms"],
+            r["torch_over_foldloss"],
+            r["numpy_over_foldloss"],
+            r["foldloss_over_bound"],
+        ]
+        for r in results
+    ]
+    md = _common.table(
+        "Loss + gradient, ragged in → per-sequence -grad out (median ms; ratios)",
+        [
+            "B",
+            "T",
+            "foldloss ms",
+            "compile s",
+            "torch ms",
+            "numpy ms",
+            "bound ms",
+            "torch/foldloss",
+            "numpy/foldloss",
+            "foldloss/bound",
+        ],
+        rows,
+    )
+    target = next((r for r in results if (r["B"], r["T"]) == TARGET_CONFIG), None)
+    targets = {}
+    if target is not None:
+        tor = target["torch_over_foldloss"]
+        targets = dict(
+            config=f"B={TARGET_CONFIG[0]}, T={TARGET_CONFIG[1]}",
+            torch_speedup=tor,
+            torch_speedup_target=TARGET_TORCH_SPEEDUP,
+            torch_speedup_met=None if tor is None else tor >= TARGET_TORCH_SPEEDUP,
+            bound_ratio=target["foldloss_over_bound"],
+            bound_ratio_target=TARGET_BOUND_RATIO,
+            bound_ratio_met=target["foldloss_over_bound"] <= TARGET_BOUND_RATIO,
+        )
+        print(
+            f"\ntargets at {targets['config']}: torch/foldloss = {_common.fmt(tor)} "
+            f"(≥ {TARGET_TORCH_SPEEDUP:g}: {_common.fmt(targets['torch_speedup_met'])}); "
+            f"foldloss/bound = {_common.fmt(targets['bound_ratio'])} "
+            f"(≤ {TARGET_BOUND_RATIO:g}: {_common.fmt(targets['bound_ratio_met'])})"
+        )
+    checks_ok = all(
+        r[k]["agrees"] for r in results for k in ("numpy_check", "torch_check") if k in r
+    )
+    payload = dict(
+        benchmark=NAME,
+        command=_common.command(argv, NAME),
+        machine=_common.machine(),
+        config=dict(
+            quick=args.quick,
+            repeats=repeats,
+            torch_repeats=torch_repeats,
+            prompt_tokens=PROMPT,
+            torch=torch_status,
+            torch_threads=getattr(torch_fn, "threads", None),
+            term="fold(grpo(clip 0.2/0.28, k3 KL 0.05, token_mean), echo_env(0.05, "
+            "seq_mean_token_mean))",
+        ),
+        results=results,
+        targets=targets,
+        implementations_agree=checks_ok,
+        markdown=md,
+    )
+    _common.write_json(args.out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
