@@ -628,3 +628,45 @@ def test_dataclass_config_fields_are_typed():
 
     fields = {f.name: f.default for f in dataclasses.fields(FireworksConfig)}
     assert "api_key" not in fields and fields["api_key_env"] == "FIREWORKS_API_KEY"
+
+
+def test_connect_builds_an_sdk_managed_service_without_network(monkeypatch):
+    from fireworks.training.sdk import FiretitanServiceClient
+
+    import runner.fireworks._trainer as fw_trainer
+
+    seen = {}
+
+    def create(self, *args, **kwargs):
+        seen["config"] = self._managed_config
+        return "client"
+
+    monkeypatch.setattr(FiretitanServiceClient, "create_training_client", create)
+    monkeypatch.setattr(FiretitanServiceClient, "trainer_job_id", property(lambda self: "job-7"))
+    cfg = _cfg("fireworks.trainer_job_id='job-7'", "fireworks.deployment_id='dep-1'")
+    service, client, control, job = fw_trainer._connect(cfg.fireworks, "fw_not_a_real_key")
+    mc = seen["config"]
+    assert (client, job, type(control)) == ("client", "job-7", TrainerJobManager)
+    assert (mc.base_model, mc.training_shape_id) == (BASE, "ts-qwen3-8b-policy")
+    assert (mc.trainer_job_id, mc.deployment_id, mc.max_context_length) == ("job-7", "dep-1", 4096)
+    assert mc.cleanup_trainer_on_close is False  # checkpoints outlive the process
+    service.close()
+
+    closed = []
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("provisioning failed")
+
+    monkeypatch.setattr(FiretitanServiceClient, "create_training_client", fail)
+    monkeypatch.setattr(FiretitanServiceClient, "close", lambda self: closed.append(1))
+    with pytest.raises(RuntimeError, match="provisioning failed"):
+        fw_trainer._connect(cfg.fireworks, "fw_not_a_real_key")
+    assert closed == [1]
+
+
+def test_fireworks_trainer_is_a_runner_trainer(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    assert isinstance(trainer, runner.Trainer)
+    assert set(trainer.builtin_losses) == set(BUILTIN_LOSSES)
+    with pytest.raises(ValueError, match="unsupported builtin losses"):
+        FireworksTrainer(world.connect(), base_model=BASE, builtin_losses=("reinforce",))
