@@ -79,7 +79,15 @@ def main(argv: list[str] | None = None) -> dict:
         "--steps", type=int, default=None, help="optimizer steps (default 200; quick 20)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--adapter",
+        choices=("step", "client"),
+        default=None,
+        help="step: StepRunner.accumulate on a LocalTrainer (default); client: only "
+        "ClientLoss.value_and_grads on synthetic logprobs, no model (default with --quick)",
+    )
     args = p.parse_args(argv)
+    adapter = args.adapter or ("client" if args.quick else "step")
     steps = args.steps or (20 if args.quick else 200)
     max_rows, max_len = (4, 30) if args.quick else (32, 250)
     cfg = LocalTrainerConfig(
@@ -117,13 +125,20 @@ def main(argv: list[str] | None = None) -> dict:
         trainer_shapes.add((rows, width))
         trainer_padded += rows * width
         t0 = time.perf_counter()
-        runner.accumulate(trainer, seqs)  # forward, client loss, linear CE backward
-        trainer.reset_grads()
+        if adapter == "step":
+            runner.accumulate(trainer, seqs)  # forward, client loss, linear CE backward
+            trainer.reset_grads()
+        else:  # the client loss alone, on logprobs a trainer could have returned
+            lps = [-rng.uniform(0.1, 4.0, s.num_targets).astype(np.float32) for s in seqs]
+            runner.client.value_and_grads(lps, seqs)
         step_times.append(time.perf_counter() - t0)
         compiles.append(runner.client.compile_count)
     wall = time.perf_counter() - t_start
     traces = {k: TRACE_COUNTS[k] - traces_before.get(k, 0) for k in TRACE_COUNTS}
     traces = {k: v for k, v in traces.items() if v}
+    if adapter == "client":
+        trainer_shapes.clear()
+        trainer_padded = 0
 
     distinct = sorted(set(shapes))
     row_buckets = sorted({r for r, _ in distinct})
@@ -149,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         client_padding_overhead=client_padded / real,
         client_length_padding_overhead=client_len_padded / real,
         trainer_padded_tokens=trainer_padded,
-        trainer_padding_overhead=trainer_padded / real,
+        trainer_padding_overhead=trainer_padded / real if adapter == "step" else None,
         trainer_shapes_hit=len(trainer_shapes),
         trainer_traces=traces,
         wall_s=wall,
@@ -185,22 +200,30 @@ def main(argv: list[str] | None = None) -> dict:
             [
                 ["client loss (rows + length)", real, client_padded, client_padded / real],
                 ["client loss (length only)", real, client_len_padded, client_len_padded / real],
-                ["trainer forward/backward", real, trainer_padded, trainer_padded / real],
-            ],
-        ),
-        _common.table(
-            "Trainer jit traces (context; buckets: rows ≥ 8, power-of-two lengths)",
-            ["function", "traces"],
-            [[k, v] for k, v in sorted(traces.items())]
-            + [["trainer shapes hit", len(trainer_shapes)]],
+            ]
+            + (
+                [["trainer forward/backward", real, trainer_padded, trainer_padded / real]]
+                if adapter == "step"
+                else []
+            ),
         ),
     ]
+    if adapter == "step":
+        md.append(
+            _common.table(
+                "Trainer jit traces (context; buckets: rows ≥ 8, power-of-two lengths)",
+                ["function", "traces"],
+                [[k, v] for k, v in sorted(traces.items())]
+                + [["trainer shapes hit", len(trainer_shapes)]],
+            )
+        )
     payload = dict(
         benchmark=NAME,
         command=_common.command(argv, NAME),
         machine=_common.machine(),
         config=dict(
             quick=args.quick,
+            adapter=adapter,
             steps=steps,
             seed=args.seed,
             max_rows=max_rows,
@@ -209,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
             row_buckets="next power of two",
             model=dict(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, d_ff=64),
         ),
-        result=result,
+        result=dict(result, adapter=adapter),
         markdown="\n\n".join(md),
     )
     _common.write_json(args.out, payload)

@@ -1,0 +1,106 @@
+"""The benchmark scripts' ``--quick`` modes: each runs, writes well-formed JSON, and the
+equivalence benchmark's gradients agree (float64 ≤ 1e-10 relative, float32 ≤ 1e-5).
+
+The scripts are loaded from ``benchmarks/`` and run through their ``main(argv)`` in this process
+(sharing its jax configuration: x64 on, strict rank promotion); one of them also runs as the
+documented one-line command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_json(path: Path) -> dict:
+    assert path.is_file(), path
+    data = json.loads(path.read_text())  # strict JSON: NaN/inf would have been written as null
+    for key in ("benchmark", "command", "machine", "config", "markdown"):
+        assert key in data, key
+    for key in ("date_utc", "nproc", "jax", "cpu"):
+        assert key in data["machine"], key
+    assert "--quick" in data["command"]
+    return data
+
+
+def test_grad_equivalence_quick(tmp_path):
+    out = tmp_path / "ge.json"
+    payload = load("grad_equivalence").main(["--quick", "--out", str(out)])
+    data = read_json(out)
+    assert data["equivalence"] == json.loads(json.dumps(payload["equivalence"]))
+    rows = data["equivalence"]
+    checked = [r for r in rows if r["status"] not in ("reference", "n/a")]
+    # Every path ran in both precisions for both terms, except two_pass with KL (n/a).
+    assert {(r["dtype"], r["term"]) for r in checked} == {
+        (d, t) for d in ("float64", "float32") for t in ("grpo+echo", "grpo_kl+echo")
+    }
+    tol = {"float64": 1e-10, "float32": 1e-5}
+    for r in checked:
+        assert r["max_rel_diff"] <= tol[r["dtype"]], r
+        assert r["status"] == "ok", r
+    na = [r for r in rows if r["status"] == "n/a"]
+    assert na and all(r["term"] == "grpo_kl+echo" and r["path"].startswith("two_pass") for r in na)
+    passes = {(r["path"]): (r["forwards"], r["backwards"]) for r in checked}
+    assert passes["two_pass"] == (2, 2)
+    assert passes["client"] == (2, 1)
+    assert passes["client_precomputed"] == (1, 1)
+    assert passes["client_microbatched"] == (6, 3)
+    assert data["all_within_tolerance"] is True
+    # Managed vs paper observation conventions: more targets and a different gradient.
+    conv = {r["convention"].split()[0]: r for r in data["conventions"]["rows"]}
+    assert conv["managed"]["extra_targets_vs_paper"] > 0
+    assert conv["managed"]["env_grad_diff_rel"] > 1e-3
+    assert conv["paper"]["env_grad_diff_norm"] == 0.0
+    assert data["conventions_differ"] is True
+
+
+def test_loss_speed_quick(tmp_path):
+    out = tmp_path / "ls.json"
+    load("loss_speed").main(["--quick", "--out", str(out)])
+    data = read_json(out)
+    assert data["implementations_agree"] is True
+    assert len(data["results"]) == 2
+    for r in data["results"]:
+        for key in ("foldloss_ms", "numpy_ms", "bound_ms", "compile_s", "foldloss_over_bound"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, key
+        assert r["compile_count"] == 1  # warm timings: one compilation, reused every call
+        assert r["numpy_check"]["agrees"]
+        if r["torch_ms"] is None:  # torch is optional
+            assert data["config"]["torch"].startswith("skipped")
+        else:
+            assert r["torch_check"]["agrees"] and r["torch_over_foldloss"] > 0
+
+
+def test_compile_count_quick(tmp_path):
+    out = tmp_path / "cc.json"
+    load("compile_count").main(["--quick", "--out", str(out)])
+    r = read_json(out)["result"]
+    assert r["adapter"] == "client"
+    assert r["compile_count"] == r["distinct_shapes_hit"] <= r["row_x_length_buckets"]
+    assert r["target_met"] and r["one_compile_per_shape"]
+    assert r["client_padding_overhead"] >= r["client_length_padding_overhead"] >= 1.0
+    assert r["real_tokens"] > 0
+
+
+def test_documented_command_runs(tmp_path):
+    # ``python benchmarks/<name>.py`` from another directory, without the repo on sys.path.
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, str(BENCH / "loss_speed.py"), "--quick", "--no-torch", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = read_json(out)
+    assert data["config"]["torch"] == "skipped (--no-torch)"
+    assert all(r["torch_ms"] is None for r in data["results"])
