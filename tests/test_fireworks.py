@@ -198,6 +198,38 @@ def test_seq_to_datum_dtypes_alignment_and_zero_copy():
     assert w.to_numpy().tolist() == [0.0, 0.5, 1.0, 2.0]
 
 
+def test_jax_bfloat16_unsigned_and_float16_inputs_become_int64_and_float32():
+    import jax.numpy as jnp
+
+    seqs = [
+        Seq(jnp.array([1, 2, 3, 4]), {"weights": jnp.ones(3, jnp.bfloat16)}),
+        Seq(np.array([1, 2, 3], np.uint8), {"weights": np.ones(2, np.float16)}),
+        Seq(np.array([4, 5], np.int32), {"weights": jnp.full((1,), 0.5)}),
+    ]
+    for d in to_datums(seqs, ("weights",)):
+        tt, w = d.loss_fn_inputs["target_tokens"], d.loss_fn_inputs["weights"]
+        assert (tt.dtype, w.dtype) == ("int64", "float32")
+        assert type(tt.to_numpy()) is np.ndarray and tt.to_numpy().dtype == np.int64
+        assert w.to_numpy().dtype == np.float32
+    assert to_datums(seqs, ("weights",))[0].loss_fn_inputs["target_tokens"].tolist() == [2, 3, 4]
+
+
+def test_forward_logprobs_are_the_sdk_buffers(tmp_path):
+    world, trainer = make_fw(tmp_path)
+    outputs = []
+    forward = trainer.client.forward
+
+    def spy(*args, **kwargs):
+        future = forward(*args, **kwargs)
+        outputs.append(future.result())
+        return future
+
+    trainer.client.forward = spy
+    (lp,) = trainer.forward([make_seq([1, 2, 3, 4])])
+    assert lp.dtype == np.float32
+    assert np.shares_memory(lp, outputs[0].loss_fn_outputs[0]["logprobs"].to_numpy())  # zero-copy
+
+
 def test_wire_form_of_a_builtin_ppo_request_matches_the_reference(tmp_path):
     world, trainer = make_fw(tmp_path)
     seq = make_seq([1, 2, 3, 4], logprobs=[0.0, -0.5, -0.7], advantages=[0.0, 1.0, 1.0])

@@ -192,6 +192,21 @@ def to_datum(
     return types.Datum(model_input=model_input, loss_fn_inputs=inputs)
 
 
+def _host_seq(seq: Seq) -> Seq:
+    """``seq`` with numpy arrays (jax arrays brought to the host, bfloat16 widened to float32);
+    the same object when nothing changes (so its tokens keep their cached ``ModelInput``)."""
+    tokens = seq.tokens if isinstance(seq.tokens, np.ndarray) else np.asarray(seq.tokens)
+    changed = tokens is not seq.tokens
+    inputs = {}
+    for name, value in seq.inputs.items():
+        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        if arr.dtype.kind == "V" and "float" in arr.dtype.name:  # ml_dtypes: bfloat16, float8
+            arr = arr.astype(np.float32)
+        changed = changed or arr is not value
+        inputs[name] = arr
+    return Seq(tokens, inputs) if changed else seq
+
+
 def to_datums(
     seqs: Sequence[Seq],
     fields: Sequence[str] = (),
@@ -203,7 +218,7 @@ def to_datums(
     """Validates `Seq`s and converts them to ``Datum``s (errors name the sequence and field).
 
     Args:
-      seqs: the sequences (non-empty).
+      seqs: the sequences (non-empty); numpy or jax arrays (bfloat16 inputs are widened).
       fields: per-token inputs to send; each must be present. Any other input is an error,
         except ``target_tokens`` equal to ``tokens[1:]`` (which is always sent anyway).
       loss_name: the kernel, for error messages (``None`` = a forward).
@@ -215,6 +230,7 @@ def to_datums(
     """
     if isinstance(seqs, Seq) or not isinstance(seqs, Sequence):
         raise ValueError(f"expected a sequence of runner.Seq, got {type(seqs).__name__}")
+    seqs = [_host_seq(s) if isinstance(s, Seq) else s for s in seqs]
     validate_seqs(seqs, required=fields, max_len=max_seq_len)
     for i, seq in enumerate(seqs):
         if seq.tokens.min() < 0:
