@@ -702,3 +702,21 @@ def test_fireworks_trainer_is_a_runner_trainer(tmp_path):
     assert set(trainer.builtin_losses) == set(BUILTIN_LOSSES)
     with pytest.raises(ValueError, match="unsupported builtin losses"):
         FireworksTrainer(world.connect(), base_model=BASE, builtin_losses=("reinforce",))
+
+
+def test_every_documented_config_key_passes_the_sdk_client_side_checks():
+    from fireworks.training.sdk.client import _target_logprob_support
+
+    values = {"divergence": "binary_kl", "target_logprob_support": "full_vocabulary"}
+
+    class NoCapabilities:  # a trainer that advertises nothing optional
+        pass
+
+    for loss, keys in LOSS_CONFIG_KEYS.items():
+        cfg = builtin_config(
+            loss, {k: values.get(k, 1.5) for k in (*keys, "target_logprob_support")}
+        )
+        assert _target_logprob_support(cfg) == "full_vocabulary"
+        FiretitanTrainingClient._validate_loss_capabilities(NoCapabilities(), loss, cfg)
+        for legacy in ("replay", "logprob_normalization", "importance_sampling"):
+            assert legacy not in keys  # keys the SDK rejects outright
