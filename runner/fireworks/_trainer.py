@@ -155,7 +155,10 @@ class FireworksTrainer:
         self.control_plane = control_plane
         self.base_model = base_model
         if trainer_job_id is None and service is not None:
-            trainer_job_id = getattr(service, "trainer_job_id", None)
+            try:  # the SDK's property raises while nothing is provisioned
+                trainer_job_id = service.trainer_job_id
+            except Exception:  # noqa: BLE001 - unknown job: identities stay unresolved
+                trainer_job_id = None
         self.trainer_job_id = trainer_job_id or None
         self.max_seq_len = max_seq_len
         self.request_timeout_s = float(request_timeout_s)
