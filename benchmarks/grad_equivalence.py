@@ -332,7 +332,18 @@ def main(argv: list[str] | None = None) -> dict:
     eq = equivalence(args.quick, num, args.seed)
     conv = conventions(args.quick, num, args.seed)
 
-    cols = ["dtype", "term", "path", "max abs diff", "max rel diff", "tol", "F", "B", "status"]
+    cols = [
+        "dtype",
+        "term",
+        "path",
+        "max abs diff",
+        "max rel diff",
+        "loss diff",
+        "tol",
+        "F",
+        "B",
+        "status",
+    ]
     md = [
         _common.table(
             "Parameter gradient vs direct jax.grad",
@@ -344,6 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
                     r["path"],
                     r["max_abs_diff"],
                     r["max_rel_diff"],
+                    r.get("loss_diff"),
                     r["tolerance"],
                     r["forwards"],
                     r["backwards"],
@@ -372,10 +384,10 @@ def main(argv: list[str] | None = None) -> dict:
                     r["convention"],
                     r["obs_targets"],
                     r["extra_targets_vs_paper"],
-                    r["env_loss"],
+                    f"{r['env_loss']:.6g}",
                     r["env_grad_norm"],
                     f"{_common.fmt(r['env_grad_diff_norm'])} ({_common.fmt(r['env_grad_diff_rel'])})",
-                    r["fold_loss"],
+                    f"{r['fold_loss']:.6g}",
                     f"{_common.fmt(r['fold_grad_diff_norm'])} ({_common.fmt(r['fold_grad_diff_rel'])})",
                 ]
                 for r in conv["rows"]

@@ -104,7 +104,8 @@ def make_batch(num: int, length: int, seed: int = 0) -> tuple[list[Seq], list[np
 def foldloss_fn(client: ClientLoss):
     def run(lps, seqs):
         value, metrics, grads = client.value_and_grads(lps, seqs)
-        return value, [-g for g in grads]
+        # The caller owns the returned arrays: negate in place when they are writable.
+        return value, [np.negative(g, out=g) if g.flags.writeable else -g for g in grads]
 
     return run
 

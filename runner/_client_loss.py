@@ -28,6 +28,8 @@ import numpy as np
 import losses
 from runner._padding import (
     DEFAULT_LENGTH_BUCKETS,
+    PARALLEL_MIN_ENTRIES,
+    _pool,
     bucket,
     pad_ragged,
     row_bucket,
@@ -161,11 +163,14 @@ class ClientLoss:
                 )
             lengths.append(s.num_targets)
             arrays.append(lp)
-        batch = self.batch(seqs, norms)
-        rows, length = batch.shape
+        rows, length = self.shapes(seqs)
         # Aligned host buffers are used by XLA:CPU in place (no copy); they are fresh per call
-        # and never written again, so aliasing them is safe.
-        lp_BT = pad_ragged(arrays, length, rows, self.dtype)
+        # and never written again, so aliasing them is safe. Large batches pad the logprobs on
+        # the shared pool while the main thread pads the batch fields (also on the pool).
+        pool = _pool() if rows * length >= PARALLEL_MIN_ENTRIES else None
+        lp_job = pool.submit(pad_ragged, arrays, length, rows, self.dtype) if pool else None
+        batch = self.batch(seqs, norms)
+        lp_BT = lp_job.result() if lp_job else pad_ragged(arrays, length, rows, self.dtype)
         with self._lock:
             (value, metrics), grad = self._value_and_grad(lp_BT, batch)
         grads = unpad(np.asarray(grad), lengths, dtype=np.float64)

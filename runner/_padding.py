@@ -6,12 +6,17 @@ step (DESIGN.md §7). Padding rows and columns are all-zero masks, so they chang
 
 Padded arrays are allocated 64-byte aligned (`aligned_zeros`): XLA:CPU then uses the numpy buffer
 as the device buffer without copying it (a plain ``np.zeros`` is only 16-byte aligned, and each
-``[256, 4096]`` float32 field would cost a ~4 MB copy per call).
+``[256, 4096]`` float32 field would cost a ~4 MB copy per call). Large batches are packed and
+un-packed by a few threads (`parallel_map`; numpy releases the GIL while it copies).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +34,41 @@ BATCH_FIELDS = (
     "ref_logprobs",
     "weights",
 )
+
+
+#: Work (padded entries) from which packing and un-packing use several threads.
+PARALLEL_MIN_ENTRIES = 1 << 18
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor | None:
+    global _POOL
+    workers = min(4, os.cpu_count() or 1)
+    if workers < 2:
+        return None
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="foldloss-pad")
+        return _POOL
+
+
+def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any], *, work: int) -> list[Any]:
+    """``[fn(x) for x in items]``, on a small shared thread pool when ``work`` is large.
+
+    Args:
+      fn: a function that mostly runs numpy copies (which release the GIL).
+      items: its inputs.
+      work: the total number of array entries involved; below `PARALLEL_MIN_ENTRIES` (or on one
+        core) it runs inline.
+
+    Returns:
+      The results, in order.
+    """
+    pool = _pool() if work >= PARALLEL_MIN_ENTRIES and len(items) > 1 else None
+    if pool is None:
+        return [fn(x) for x in items]
+    return list(pool.map(fn, items))
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -79,7 +119,14 @@ def unpad(padded: np.ndarray, lengths: Sequence[int], dtype=None) -> list[np.nda
     padded = np.asarray(padded)
     if dtype is None or np.dtype(dtype) == padded.dtype:
         return [padded[i, :n] for i, n in enumerate(lengths)]
-    return [padded[i, :n].astype(dtype) for i, n in enumerate(lengths)]
+    rows = len(lengths)
+    chunks = [range(lo, min(lo + 64, rows)) for lo in range(0, rows, 64)]
+    parts = parallel_map(
+        lambda rs: [padded[i, : lengths[i]].astype(dtype) for i in rs],
+        chunks,
+        work=int(sum(lengths)),
+    )
+    return [g for part in parts for g in part]
 
 
 def normalizers(seqs: Sequence[Seq]) -> dict[str, float]:
@@ -139,6 +186,7 @@ def seqs_to_batch(
     the batch's own normalizers (`padded_normalizers`).
     """
     fields: dict[str, np.ndarray | None] = {}
+    names = []
     for name in BATCH_FIELDS:
         present = [name in s.inputs for s in seqs]
         if not any(present):
@@ -151,7 +199,14 @@ def seqs_to_batch(
             raise ValueError(
                 f"sequence {i}: missing field '{name}' that other sequences in the batch have"
             )
-        fields[name] = pad_ragged([s.inputs[name] for s in seqs], length, rows, dtype)
+        fields[name] = None
+        names.append(name)
+    padded = parallel_map(
+        lambda name: pad_ragged([s.inputs[name] for s in seqs], length, rows, dtype),
+        names,
+        work=rows * length * len(names),
+    )
+    fields.update(zip(names, padded, strict=True))
     if norms is None:
         norms = padded_normalizers(fields["action_mask"], fields["obs_mask"])
     for name, value in norms.items():
