@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> dict:
         "max rel diff",
         "loss diff",
         "tol",
-        "F",
-        "B",
+        "trainer F",
+        "trainer B",
         "status",
     ]
     md = [
@@ -374,10 +374,10 @@ def main(argv: list[str] | None = None) -> dict:
                 "obs targets",
                 "extra vs paper",
                 "env loss",
-                "|grad env|",
-                "|Δgrad env| (rel)",
+                "‖grad env‖",
+                "‖Δgrad env‖ (rel)",
                 "fold loss",
-                "|Δgrad fold| (rel)",
+                "‖Δgrad fold‖ (rel)",
             ],
             [
                 [

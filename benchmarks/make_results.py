@@ -64,7 +64,13 @@ def main(argv: list[str] | None = None) -> Path:
             f"### {TITLES[name]}",
             "",
             f"`{run['command']}` — {mach['date_utc']} UTC, 1-minute load average at start "
-            f"{mach.get('loadavg_1m_at_start', 'n/a')}",
+            f"{mach.get('loadavg_1m_at_start', 'n/a')}"
+            + (
+                f"; torch baseline: {run['config']['torch']}, "
+                f"{run['config'].get('torch_threads')} thread(s)"
+                if "torch" in run.get("config", {})
+                else ""
+            ),
             "",
             run["markdown"],
         ]
