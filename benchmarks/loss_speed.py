@@ -169,6 +169,7 @@ def torch_loss_fn(threads: int | None = 1):
         import torch
     except ImportError:
         return None
+    previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
 
@@ -222,6 +223,7 @@ def torch_loss_fn(threads: int | None = 1):
 
     run.threads = torch.get_num_threads()
     run.version = torch.__version__
+    run.restore = lambda: torch.set_num_threads(previous)
     return run
 
 
@@ -355,6 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
     for b, t in configs:
         print(f"B={b} T={t} ...", flush=True)
         results.append(run_config(b, t, repeats, torch_repeats, torch_fn))
+    if torch_fn is not None:
+        torch_fn.restore()  # leave torch as we found it (main() may run inside another program)
 
     rows = [
         [

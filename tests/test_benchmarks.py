@@ -1,9 +1,9 @@
 """The benchmark scripts' ``--quick`` modes: each runs, writes well-formed JSON, and the
 equivalence benchmark's gradients agree (float64 ≤ 1e-10 relative, float32 ≤ 1e-5).
 
-The scripts are loaded from ``benchmarks/`` and run through their ``main(argv)`` in this process
-(sharing its jax configuration: x64 on, strict rank promotion); one of them also runs as the
-documented one-line command in a subprocess.
+The scripts are loaded from ``benchmarks/`` and run once each through their ``main(argv)`` in
+this process (sharing its jax configuration: x64 on, strict rank promotion); one of them also runs
+as the documented one-line command in a subprocess, and ``make_results.py`` renders their JSON.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+NAMES = ("grad_equivalence", "loss_speed", "compile_count")
 
 
 def load(name: str):
@@ -32,15 +35,26 @@ def read_json(path: Path) -> dict:
         assert key in data, key
     for key in ("date_utc", "nproc", "jax", "cpu"):
         assert key in data["machine"], key
-    assert "--quick" in data["command"]
     return data
 
 
-def test_grad_equivalence_quick(tmp_path):
-    out = tmp_path / "ge.json"
-    payload = load("grad_equivalence").main(["--quick", "--out", str(out)])
-    data = read_json(out)
-    assert data["equivalence"] == json.loads(json.dumps(payload["equivalence"]))
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """Each benchmark's ``--quick`` run, once: ``(results dir, {name: returned payload})``."""
+    out = tmp_path_factory.mktemp("bench_results")
+    payloads = {
+        name: load(name).main(["--quick", "--out", str(out / f"{name}.json")]) for name in NAMES
+    }
+    return out, payloads
+
+
+def test_grad_equivalence_quick(quick):
+    out, payloads = quick
+    data = read_json(out / "grad_equivalence.json")
+    assert "--quick" in data["command"]
+    assert data["equivalence"] == json.loads(
+        json.dumps(payloads["grad_equivalence"]["equivalence"])
+    )
     rows = data["equivalence"]
     checked = [r for r in rows if r["status"] not in ("reference", "n/a")]
     # Every path ran in both precisions for both terms, except two_pass with KL (n/a).
@@ -53,7 +67,7 @@ def test_grad_equivalence_quick(tmp_path):
         assert r["status"] == "ok", r
     na = [r for r in rows if r["status"] == "n/a"]
     assert na and all(r["term"] == "grpo_kl+echo" and r["path"].startswith("two_pass") for r in na)
-    passes = {(r["path"]): (r["forwards"], r["backwards"]) for r in checked}
+    passes = {r["path"]: (r["forwards"], r["backwards"]) for r in checked}
     assert passes["two_pass"] == (2, 2)
     assert passes["client"] == (2, 1)
     assert passes["client_precomputed"] == (1, 1)
@@ -67,10 +81,9 @@ def test_grad_equivalence_quick(tmp_path):
     assert data["conventions_differ"] is True
 
 
-def test_loss_speed_quick(tmp_path):
-    out = tmp_path / "ls.json"
-    load("loss_speed").main(["--quick", "--out", str(out)])
-    data = read_json(out)
+def test_loss_speed_quick(quick):
+    out, _ = quick
+    data = read_json(out / "loss_speed.json")
     assert data["implementations_agree"] is True
     assert len(data["results"]) == 2
     for r in data["results"]:
@@ -84,15 +97,24 @@ def test_loss_speed_quick(tmp_path):
             assert r["torch_check"]["agrees"] and r["torch_over_foldloss"] > 0
 
 
-def test_compile_count_quick(tmp_path):
-    out = tmp_path / "cc.json"
-    load("compile_count").main(["--quick", "--out", str(out)])
-    r = read_json(out)["result"]
+def test_compile_count_quick(quick):
+    out, _ = quick
+    r = read_json(out / "compile_count.json")["result"]
     assert r["adapter"] == "client"
     assert r["compile_count"] == r["distinct_shapes_hit"] <= r["row_x_length_buckets"]
     assert r["target_met"] and r["one_compile_per_shape"]
     assert r["client_padding_overhead"] >= r["client_length_padding_overhead"] >= 1.0
     assert r["real_tokens"] > 0
+
+
+def test_make_results_renders_every_table(quick, tmp_path):
+    out, _ = quick
+    md = tmp_path / "RESULTS.md"
+    load("make_results").main(["--results", str(out), "--out", str(md)])
+    text = md.read_text()
+    for title in ("Parameter gradient vs direct jax.grad", "Loss + gradient", "compilations"):
+        assert title in text
+    assert "python benchmarks/loss_speed.py --quick" in text
 
 
 def test_documented_command_runs(tmp_path):
