@@ -86,7 +86,7 @@ def _summary(result) -> None:
     print(f"run directory: {result.run_dir}")
     if evals:
         print(
-            "eval reward (greedy, 32 held-out problems): "
+            "eval reward (64 held-out problems, sampled): "
             + ", ".join(f"step {s}: {v:.3f}" for s, v in evals)
         )
     if rl:

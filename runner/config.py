@@ -53,24 +53,24 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 40
+    steps: int = 70
     batch_size: int = 32
     learning_rate: float = 3e-3
 
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    steps: int = 30
+    steps: int = 100
     problems_per_step: int = 8
     group_size: int = 8
     temperature: float = 1.0
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-3
     advantage_estimator: str = "grpo"
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
     reduction: str = "token_mean"
-    env_coef: float = 0.05
+    env_coef: float = 0.01
     env_normalization: str = "seq_mean_token_mean"
     mode: str = "auto"
     num_microbatches: int = 1

@@ -28,7 +28,7 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> Path:
     fig, (ax_r, ax_n) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     for key, label, style in (
         ("reward", "train reward (RL)", "-"),
-        ("eval_reward", "eval reward (greedy)", "o--"),
+        ("eval_reward", "eval reward (held-out)", "o--"),
     ):
         xs, ys = _series(records, key)
         if xs:

@@ -26,7 +26,7 @@ from runner.config import Config, rl_loss
 from runner.env import CalcEnv, expert_sft_example, rollout, tokenizer, trajectory_to_seq
 from runner.sft import collate_sft, translate_sft_batch
 
-EVAL_PROBLEMS = 32
+EVAL_PROBLEMS = 64
 
 
 @dataclasses.dataclass
@@ -164,7 +164,8 @@ def rl_step(
 
 
 def evaluate(cfg: Config, trainer: Any, env: CalcEnv) -> float:
-    """Greedy reward on a fixed set of held-out problems (same set at every evaluation)."""
+    """Mean reward on a fixed set of held-out problems, sampled at the RL temperature with a fixed
+    seed (the same problems and seeds at every evaluation, so evaluations are comparable)."""
     rng = _rng(cfg, 3)
     problems = [env.sample_problem(rng) for _ in range(EVAL_PROBLEMS)]
     groups = rollout(
@@ -173,8 +174,8 @@ def evaluate(cfg: Config, trainer: Any, env: CalcEnv) -> float:
         problems,
         group_size=1,
         max_tokens_per_turn=cfg.env.max_tokens_per_turn,
-        temperature=0.0,
-        seed=0,
+        temperature=cfg.rl.temperature,
+        seed=cfg.run.seed + 12345,
         max_seq_len=cfg.model.max_seq_len,
     )
     return float(np.mean([g[0].reward for g in groups]))

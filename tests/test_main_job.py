@@ -270,3 +270,20 @@ def test_env_coef_zero_is_plain_grpo_on_the_builtin_kernel(tmp_path):
     assert rl and rl[0]["plan/builtin"] == 1.0
     assert (rl[0]["passes/forwards"], rl[0]["passes/backwards"]) == (1, 1)
     assert rl[0]["loss"] == pytest.approx(rl[0]["server_loss"], rel=1e-4, abs=1e-6)
+
+
+def test_default_toml_lists_every_knob_with_its_default():
+    import dataclasses
+    import tomllib
+
+    from runner.config import Config
+
+    data = tomllib.loads((ROOT / "examples" / "default.toml").read_text())
+    defaults = Config()
+    for section in dataclasses.fields(Config):
+        values = data[section.name]
+        for f in dataclasses.fields(getattr(defaults, section.name)):
+            assert f.name in values, f"[{section.name}].{f.name} missing from default.toml"
+            assert values[f.name] == getattr(getattr(defaults, section.name), f.name), (
+                f"[{section.name}].{f.name}: default.toml and runner.config disagree"
+            )
