@@ -101,10 +101,27 @@ def aligned_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
 
 
 def pad_ragged(
-    arrays: Sequence[np.ndarray], length: int, rows: int, dtype=np.float32
+    arrays: Sequence[np.ndarray],
+    length: int,
+    rows: int,
+    dtype=np.float32,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Right-pads 1-D arrays into a zero ``[rows, length]`` array (64-byte aligned)."""
-    out = aligned_zeros((rows, length), dtype)
+    """Right-pads 1-D arrays into a zero ``[rows, length]`` array (64-byte aligned).
+
+    ``out``: a ``[rows, length]`` array of ``dtype`` to fill (overwritten, padding zeroed)
+    instead of a fresh one. Reusing buffers avoids the page faults of fresh large allocations,
+    which otherwise cost as much as the copy itself.
+    """
+    if out is None:
+        out = aligned_zeros((rows, length), dtype)
+    else:
+        if out.shape != (rows, length) or out.dtype != np.dtype(dtype):
+            raise ValueError(
+                f"pad_ragged: out has shape {out.shape} / {out.dtype}, expected "
+                f"{(rows, length)} / {np.dtype(dtype)}"
+            )
+        out.fill(0)
     for i, a in enumerate(arrays):
         out[i, : a.shape[0]] = a
     return out
@@ -178,12 +195,14 @@ def seqs_to_batch(
     rows: int,
     norms: Mapping[str, float] | None,
     dtype=np.float32,
+    out: Mapping[str, np.ndarray] | None = None,
 ) -> losses.Batch:
     """A padded `losses.Batch` from the sequences' per-token inputs (missing fields → None).
 
     ``action_mask`` is required on every sequence (a missing one is an error naming the
     sequence); other fields must be present on all sequences or on none. ``norms=None`` sets
-    the batch's own normalizers (`padded_normalizers`).
+    the batch's own normalizers (`padded_normalizers`). ``out`` optionally maps field names to
+    ``[rows, length]`` buffers to fill instead of fresh arrays (see `pad_ragged`).
     """
     fields: dict[str, np.ndarray | None] = {}
     names = []
@@ -201,8 +220,11 @@ def seqs_to_batch(
             )
         fields[name] = None
         names.append(name)
+    out = out or {}
     padded = parallel_map(
-        lambda name: pad_ragged([s.inputs[name] for s in seqs], length, rows, dtype),
+        lambda name: pad_ragged(
+            [s.inputs[name] for s in seqs], length, rows, dtype, out=out.get(name)
+        ),
         names,
         work=rows * length * len(names),
     )

@@ -126,3 +126,25 @@ def test_documented_command_runs(tmp_path):
     data = read_json(out)
     assert data["config"]["torch"] == "skipped (--no-torch)"
     assert all(r["torch_ms"] is None for r in data["results"])
+
+
+@pytest.mark.parametrize("rows, length", [(8, 64), (64, 4096)])  # inline and thread-pool paths
+def test_client_loss_reused_buffers_give_fresh_results(rows, length):
+    # The speed work behind loss_speed reuses padded host buffers between calls of one bucket;
+    # a second call with other (shorter) sequences must not see the first call's data.
+    import numpy as np
+
+    from runner import ClientLoss
+
+    bench = load("loss_speed")
+    term = bench.make_term()
+    seqs1, lps1 = bench.make_batch(rows, length, seed=1)
+    seqs2, lps2 = bench.make_batch(rows - 1, length, seed=2)  # same bucket, different lengths
+    reused = ClientLoss(term)
+    reused.value_and_grads(lps1, seqs1)
+    value, metrics, grads = reused.value_and_grads(lps2, seqs2)
+    ref_value, ref_metrics, ref_grads = ClientLoss(term).value_and_grads(lps2, seqs2)
+    assert reused.compile_count == 1
+    assert value == ref_value and metrics == ref_metrics
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_array_equal(g, r)
