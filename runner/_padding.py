@@ -176,15 +176,22 @@ def padded_normalizers(action_BT: np.ndarray, obs_BT: np.ndarray | None) -> dict
     exactly (0/1 masks always), at a fraction of the cost: a few vectorized passes instead of
     several small numpy calls per sequence.
     """
-    has = action_BT.max(axis=1) > 0
-    obs_total = 0.0
-    if obs_BT is not None:
-        has |= obs_BT.max(axis=1) > 0
-        obs_total = float(np.sum(obs_BT, dtype=np.float64))
+    return _combine_mask_stats(_mask_stats(action_BT), _mask_stats(obs_BT))
+
+
+def _mask_stats(mask_BT: np.ndarray | None) -> tuple[np.ndarray, float] | None:
+    """(rows with a positive entry, total) of a padded mask."""
+    if mask_BT is None:
+        return None
+    return mask_BT.max(axis=1) > 0, float(np.sum(mask_BT, dtype=np.float64))
+
+
+def _combine_mask_stats(action, obs) -> dict[str, float]:
+    has = action[0] if obs is None else action[0] | obs[0]
     return {
         "num_rows": int(np.count_nonzero(has)),
-        "num_action_tokens": float(np.sum(action_BT, dtype=np.float64)),
-        "num_obs_tokens": obs_total,
+        "num_action_tokens": action[1],
+        "num_obs_tokens": 0.0 if obs is None else obs[1],
     }
 
 
@@ -221,16 +228,18 @@ def seqs_to_batch(
         fields[name] = None
         names.append(name)
     out = out or {}
-    padded = parallel_map(
-        lambda name: pad_ragged(
-            [s.inputs[name] for s in seqs], length, rows, dtype, out=out.get(name)
-        ),
-        names,
-        work=rows * length * len(names),
-    )
-    fields.update(zip(names, padded, strict=True))
+    stats_of = ("action_mask", "obs_mask") if norms is None else ()
+
+    def pad(name: str):
+        p = pad_ragged([s.inputs[name] for s in seqs], length, rows, dtype, out=out.get(name))
+        # The mask statistics behind the normalizers, while the mask is hot in this thread.
+        return p, (_mask_stats(p) if name in stats_of else None)
+
+    padded = parallel_map(pad, names, work=rows * length * len(names))
+    fields.update((name, p) for name, (p, _) in zip(names, padded, strict=True))
     if norms is None:
-        norms = padded_normalizers(fields["action_mask"], fields["obs_mask"])
+        stats = {name: st for name, (_, st) in zip(names, padded, strict=True)}
+        norms = _combine_mask_stats(stats["action_mask"], stats.get("obs_mask"))
     for name, value in norms.items():
         fields[name] = np.asarray(value, dtype=dtype)
     return losses.Batch(**fields)

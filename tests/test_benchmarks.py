@@ -148,3 +148,20 @@ def test_client_loss_reused_buffers_give_fresh_results(rows, length):
     assert value == ref_value and metrics == ref_metrics
     for g, r in zip(grads, ref_grads, strict=True):
         np.testing.assert_array_equal(g, r)
+
+
+def test_client_loss_own_normalizers_equal_normalizers_of_the_sequences():
+    # value_and_grads(norms=None) computes the normalizers from the padded masks (faster);
+    # they must equal `normalizers(seqs)`, including rows with neither actions nor observations.
+    import numpy as np
+
+    from runner import ClientLoss, Seq, normalizers
+
+    seqs, _ = load("loss_speed").make_batch(6, 256, seed=3)
+    empty = np.zeros(9)
+    seqs.append(Seq(np.zeros(10, np.int64), {k: empty for k in seqs[0].inputs}))
+    batch = ClientLoss(load("loss_speed").make_term()).batch(seqs)
+    expected = normalizers(seqs)
+    assert expected["num_rows"] == 6
+    for name, value in expected.items():
+        assert float(getattr(batch, name)) == value, name
