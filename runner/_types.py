@@ -125,6 +125,47 @@ def validate_seqs(
                 )
 
 
+#: Largest anchor logprob a kernel accepts (float32 log-softmax may round a hair above 0).
+MAX_ANCHOR_LOGPROB = 1e-4
+
+
+def check_kernel_inputs(
+    seqs: Sequence[Seq], inputs: Sequence[str], kernel_name: str | None = None
+) -> None:
+    """Kernel-level checks after `validate_seqs`, shared by every backend.
+
+    Rules: only ``inputs`` (and ``target_tokens``) may be present; ``target_tokens`` must equal
+    ``tokens[1:]``; anchor ``logprobs`` must be ``≤ 0`` (up to `MAX_ANCHOR_LOGPROB`).
+
+    Raises:
+      ValueError: naming the sequence, the field and the rule.
+    """
+    allowed = set(inputs) | {"target_tokens"}
+    where = f"kernel '{kernel_name}'" if kernel_name else "this call"
+    for i, seq in enumerate(seqs):
+        extra = sorted(set(seq.inputs) - allowed)
+        if extra:
+            raise ValueError(
+                f"sequence {i}: field '{extra[0]}' is not an input of {where} "
+                f"(inputs: {sorted(allowed)})"
+            )
+        if "target_tokens" in seq.inputs:
+            tt = np.asarray(seq.inputs["target_tokens"])
+            if tt.shape != seq.tokens[1:].shape or not np.array_equal(tt, seq.tokens[1:]):
+                raise ValueError(
+                    f"sequence {i}: field 'target_tokens' must equal tokens[1:] (the targets are "
+                    "the tokens shifted by one)"
+                )
+        if "logprobs" in inputs and "logprobs" in seq.inputs:
+            q = np.asarray(seq.inputs["logprobs"])
+            if (q > MAX_ANCHOR_LOGPROB).any():
+                t = int(np.argmax(q > MAX_ANCHOR_LOGPROB))
+                raise ValueError(
+                    f"sequence {i}: field 'logprobs' has a positive logprob {float(q[t])} at "
+                    f"target {t}"
+                )
+
+
 @dataclasses.dataclass(frozen=True)
 class AdamParams:
     """Adam(W) hyperparameters with the Fireworks ``AdamParams`` meaning and defaults.

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from fireworks.training.sdk import types
 
-from runner._types import Seq, validate_seqs
+from runner._types import Seq, check_kernel_inputs, validate_seqs
 
 #: Builtin kernels (SDK ``types.LossFnType`` names) whose formulas `losses` terms express
 #: (``losses.builtin_twin`` targets plus ``cross_entropy``). ``reinforce`` is left out: its
@@ -56,8 +56,6 @@ KERNEL_INPUTS: dict[str, tuple[str, ...]] = {
     name: ("weights",) if name == "cross_entropy" else ("logprobs", "advantages")
     for name in BUILTIN_LOSSES
 }
-#: Largest anchor logprob accepted (float32 log-softmax may round a hair above 0).
-MAX_ANCHOR_LOGPROB = 1e-4
 
 
 def builtin_config(loss_name: str, config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -136,32 +134,8 @@ def _field_array(seq: Seq, index: int, name: str) -> np.ndarray:
 
 
 def check_fields(seqs: Sequence[Seq], fields: Sequence[str], loss_name: str | None) -> None:
-    """Kernel-level checks after `runner.validate_seqs`: only ``fields`` (and a matching
-    ``target_tokens``) may be present, and anchor ``logprobs`` are ≤ 0."""
-    allowed = set(fields) | {"target_tokens"}
-    for i, seq in enumerate(seqs):
-        extra = sorted(set(seq.inputs) - allowed)
-        if extra:
-            where = f"kernel '{loss_name}'" if loss_name else "this call"
-            raise ValueError(
-                f"sequence {i}: field '{extra[0]}' is not an input of {where} "
-                f"(inputs: {sorted(allowed)})"
-            )
-        if "target_tokens" in seq.inputs:
-            tt = np.asarray(seq.inputs["target_tokens"])
-            if tt.shape != seq.tokens[1:].shape or not np.array_equal(tt, seq.tokens[1:]):
-                raise ValueError(
-                    f"sequence {i}: field 'target_tokens' must equal tokens[1:] (the targets are "
-                    "the tokens shifted by one)"
-                )
-        if "logprobs" in fields:
-            q = np.asarray(seq.inputs["logprobs"])
-            if (q > MAX_ANCHOR_LOGPROB).any():
-                t = int(np.argmax(q > MAX_ANCHOR_LOGPROB))
-                raise ValueError(
-                    f"sequence {i}: field 'logprobs' has a positive logprob {float(q[t])} at "
-                    f"target {t}"
-                )
+    """Kernel-level checks after `runner.validate_seqs` (`runner._types.check_kernel_inputs`)."""
+    check_kernel_inputs(seqs, fields, loss_name)
 
 
 def to_datum(

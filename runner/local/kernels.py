@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 import losses
-from runner._types import Seq
+from runner._types import Seq, check_kernel_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +132,6 @@ _METRIC_REDUCTION = {
     "weight_sum": "sum",
     "ratio_max": "max",
 }
-#: Largest anchor logprob accepted (float32 log-softmax may round a hair above 0).
-MAX_ANCHOR_LOGPROB = 1e-4
 
 
 def resolve(loss_name: str, config: Mapping[str, Any] | None) -> tuple[Kernel, tuple]:
@@ -178,33 +176,9 @@ def resolve(loss_name: str, config: Mapping[str, Any] | None) -> tuple[Kernel, t
 def check_inputs(kernel: Kernel, seqs: Sequence[Seq]) -> None:
     """Kernel-specific input checks (after `runner.validate_seqs`); raises ``ValueError``.
 
-    Rules: only the kernel's inputs (and ``target_tokens``) may be present; ``target_tokens``
-    must equal ``tokens[1:]``; anchor ``logprobs`` must be ``≤ 0`` (up to `MAX_ANCHOR_LOGPROB`).
+    See `runner._types.check_kernel_inputs` (shared with the Fireworks backend).
     """
-    allowed = set(kernel.inputs) | {"target_tokens"}
-    for i, seq in enumerate(seqs):
-        extra = sorted(set(seq.inputs) - allowed)
-        if extra:
-            raise ValueError(
-                f"sequence {i}: field '{extra[0]}' is not an input of kernel '{kernel.name}' "
-                f"(inputs: {sorted(allowed)})"
-            )
-        if "target_tokens" in seq.inputs:
-            tt = np.asarray(seq.inputs["target_tokens"])
-            if not np.array_equal(tt, seq.tokens[1:]):
-                t = int(np.argmax(tt != seq.tokens[1:]))
-                raise ValueError(
-                    f"sequence {i}: field 'target_tokens' differs from tokens[1:] at target {t} "
-                    f"({tt[t]!r} != {int(seq.tokens[t + 1])})"
-                )
-        if "logprobs" in kernel.inputs:
-            q = np.asarray(seq.inputs["logprobs"])
-            if (q > MAX_ANCHOR_LOGPROB).any():
-                t = int(np.argmax(q > MAX_ANCHOR_LOGPROB))
-                raise ValueError(
-                    f"sequence {i}: field 'logprobs' has a positive logprob {float(q[t])} at "
-                    f"target {t}"
-                )
+    check_kernel_inputs(seqs, kernel.inputs, kernel.name)
 
 
 def pad_ragged(arrays: Sequence[np.ndarray], rows: int, width: int, dtype) -> np.ndarray:
