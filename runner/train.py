@@ -266,71 +266,76 @@ def run(
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt.atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+    owned = trainer is None
     trainer = trainer if trainer is not None else make_trainer(cfg, run_dir)
-    if manifest is not None:
-        ckpt.load_resumable(trainer, manifest["resumable"], with_optimizer=True)
-    env = make_env(cfg)
-    log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
-    step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
-    reference = None
-    total = cfg.total_steps
-    last_manifest = manifest
+    try:
+        if manifest is not None:
+            ckpt.load_resumable(trainer, manifest["resumable"], with_optimizer=True)
+        env = make_env(cfg)
+        log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
+        step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
+        reference = None
+        total = cfg.total_steps
+        last_manifest = manifest
 
-    from runner.plot import plot_metrics
-    from runner.progress import Progress  # rich is optional at import time
+        from runner.plot import plot_metrics
+        from runner.progress import Progress  # rich is optional at import time
 
-    def checkpoint(step: int) -> None:
-        nonlocal last_manifest
-        run_state = {
-            "step": step,
-            "phase": "sft" if step <= cfg.sft.steps else "rl",
-            "config_identity": cfg.identity(),
-            "seed": cfg.run.seed,
-            "data_position": step,
-        }
-        last_manifest = ckpt.write_checkpoint(
-            ckpt_root,
-            trainer,
-            step=step,
-            run_state=run_state,
-            backend=cfg.run.backend,
-            promotable=cfg.checkpoint.save_promotable,
-        )
-        plot_metrics(log.records, run_dir / "plot.png")
-
-    with Progress(total=total, start=start - 1, enabled=progress) as bar:
-        if start == 1:
-            log.append(
-                {
-                    "step": 0,
-                    "phase": "eval",
-                    "eval_reward": evaluate(cfg, trainer, env),
-                    "time": time.time(),
-                }
+        def checkpoint(step: int) -> None:
+            nonlocal last_manifest
+            run_state = {
+                "step": step,
+                "phase": "sft" if step <= cfg.sft.steps else "rl",
+                "config_identity": cfg.identity(),
+                "seed": cfg.run.seed,
+                "data_position": step,
+            }
+            last_manifest = ckpt.write_checkpoint(
+                ckpt_root,
+                trainer,
+                step=step,
+                run_state=run_state,
+                backend=cfg.run.backend,
+                promotable=cfg.checkpoint.save_promotable,
             )
-        for step in range(start, total + 1):
-            t0 = time.perf_counter()
-            if step <= cfg.sft.steps:
-                metrics = sft_step(cfg, trainer, env, step)
-                phase = "sft"
-            else:
-                if reference is None and cfg.rl.kl_coef > 0:
-                    reference = _reference_trainer(cfg, trainer, run_dir)
-                metrics = rl_step(cfg, trainer, env, step, step_runner, reference)
-                phase = "rl"
-            elapsed = time.perf_counter() - t0
-            metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
-            metrics["step_time_s"] = elapsed
-            if step == cfg.sft.steps or step == total:
-                metrics["eval_reward"] = evaluate(cfg, trainer, env)
-            record = {"step": step, "phase": phase, "time": time.time(), **metrics}
-            log.append(record)
-            bar.update(step, record)
-            interval = cfg.checkpoint.interval
-            if (interval and step % interval == 0) or step == total:
-                checkpoint(step)
-            if on_step is not None:
-                on_step(step, record)
-    if hasattr(trainer, "finalize"):  # a hosted backend's final promotion, then cleanup
-        trainer.finalize(run_dir, last_manifest)
-    return RunResult(run_dir=run_dir, last_step=total, metrics=log.records)
+            plot_metrics(log.records, run_dir / "plot.png")
+
+        with Progress(total=total, start=start - 1, enabled=progress) as bar:
+            if start == 1:
+                log.append(
+                    {
+                        "step": 0,
+                        "phase": "eval",
+                        "eval_reward": evaluate(cfg, trainer, env),
+                        "time": time.time(),
+                    }
+                )
+            for step in range(start, total + 1):
+                t0 = time.perf_counter()
+                if step <= cfg.sft.steps:
+                    metrics = sft_step(cfg, trainer, env, step)
+                    phase = "sft"
+                else:
+                    if reference is None and cfg.rl.kl_coef > 0:
+                        reference = _reference_trainer(cfg, trainer, run_dir)
+                    metrics = rl_step(cfg, trainer, env, step, step_runner, reference)
+                    phase = "rl"
+                elapsed = time.perf_counter() - t0
+                metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
+                metrics["step_time_s"] = elapsed
+                if step == cfg.sft.steps or step == total:
+                    metrics["eval_reward"] = evaluate(cfg, trainer, env)
+                record = {"step": step, "phase": phase, "time": time.time(), **metrics}
+                log.append(record)
+                bar.update(step, record)
+                interval = cfg.checkpoint.interval
+                if (interval and step % interval == 0) or step == total:
+                    checkpoint(step)
+                if on_step is not None:
+                    on_step(step, record)
+        if hasattr(trainer, "finalize"):  # a hosted backend's final promotion, then cleanup
+            trainer.finalize(run_dir, last_manifest)
+        return RunResult(run_dir=run_dir, last_step=total, metrics=log.records)
+    finally:
+        if owned and hasattr(trainer, "close"):  # e.g. the Fireworks sampling client/service
+            trainer.close()

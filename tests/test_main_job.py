@@ -287,3 +287,25 @@ def test_default_toml_lists_every_knob_with_its_default():
             assert values[f.name] == getattr(getattr(defaults, section.name), f.name), (
                 f"[{section.name}].{f.name}: default.toml and runner.config disagree"
             )
+
+
+def test_run_closes_the_trainer_it_built_even_on_error(tmp_path, monkeypatch):
+    import runner.train as train_mod
+
+    closed = []
+    real_make = train_mod.make_trainer
+
+    def make(cfg, run_dir):
+        trainer = real_make(cfg, run_dir)
+        trainer.close = lambda: closed.append(True)
+        return trainer
+
+    monkeypatch.setattr(train_mod, "make_trainer", make)
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', "sft.steps=1", "rl.steps=0"])
+
+    def boom(step, record):
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        train_mod.run(cfg, progress=False, on_step=boom)
+    assert closed == [True]
