@@ -7,7 +7,7 @@ with `fold`. See DESIGN.md §3-4 for the data conventions.
 from losses._advantages import ESTIMATORS, group_advantages
 from losses._batch import Batch, Term
 from losses._checks import check_batch
-from losses._common import KL_ESTIMATORS
+from losses._common import KL_ESTIMATORS, ppo_clip_terms
 from losses._correction import (
     CORRECTION_KINDS,
     CORRECTION_LEVELS,
@@ -16,7 +16,7 @@ from losses._correction import (
 )
 from losses._env import ENV_NORMALIZATIONS, echo_env, echo_env_weights, observation_mask
 from losses._fold import fold
-from losses._grpo import grpo, ppo_clip_terms
+from losses._grpo import grpo
 from losses._policy import (
     DIVERGENCES,
     cispo,

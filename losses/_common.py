@@ -91,3 +91,36 @@ def check_choice(where: str, name: str, value, choices) -> str:
     if value not in choices:
         raise ValueError(f"{where}: unknown {name} {value!r}; expected one of {tuple(choices)}")
     return value
+
+
+def ppo_clip_terms(
+    log_ratio_BT: jax.Array,
+    adv_BT: jax.Array,
+    *,
+    ratio_low: float,
+    ratio_high: float,
+    dual_clip: float | None = None,
+) -> jax.Array:
+    """Per-token clipped surrogate ``-min(r·A, clip(r, ratio_low, ratio_high)·A)``; float[B, T].
+
+    ``ratio_low``/``ratio_high`` are absolute ratio bounds (``1 - ε_lo``, ``1 + ε_hi``). With
+    ``dual_clip = c`` and ``A < 0`` the loss is capped at ``-c·A`` (Ye et al. 2020, verl
+    ``clip_ratio_c``). No reduction.
+
+    Args:
+      log_ratio_BT: ``log r`` (already clamped and 0 on masked tokens); float[B, T].
+      adv_BT: advantages, stop-gradiented, 0 on masked tokens; float[B, T].
+      ratio_low: lower absolute ratio bound.
+      ratio_high: upper absolute ratio bound.
+      dual_clip: optional ``c > 1``.
+
+    Returns:
+      float[B, T] per-token losses.
+    """
+    ratio = jnp.exp(log_ratio_BT)
+    unclipped = -adv_BT * ratio
+    clipped = -adv_BT * jnp.clip(ratio, ratio_low, ratio_high)
+    loss = jnp.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = jnp.where(adv_BT < 0, jnp.minimum(loss, -dual_clip * adv_BT), loss)
+    return loss

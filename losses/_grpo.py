@@ -7,51 +7,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from losses._batch import Batch, Term, check_logprobs_shape, require
-from losses._common import (
-    KL_ESTIMATORS,
-    check_choice,
-    check_number,
-    clamped_log_ratio,
-    kl_penalty,
-    masked_mean,
-    per_token_advantages,
-)
+from losses._batch import Term
+from losses._common import KL_ESTIMATORS, check_choice, check_number, ppo_clip_terms
 from losses._correction import as_correction
-from losses._reductions import term_weights, validate_reduction
-
-
-def ppo_clip_terms(
-    log_ratio_BT: jax.Array,
-    adv_BT: jax.Array,
-    *,
-    ratio_low: float,
-    ratio_high: float,
-    dual_clip: float | None = None,
-) -> jax.Array:
-    """Per-token clipped surrogate ``-min(r·A, clip(r, ratio_low, ratio_high)·A)``; float[B, T].
-
-    ``ratio_low``/``ratio_high`` are absolute ratio bounds (``1 - ε_lo``, ``1 + ε_hi``). With
-    ``dual_clip = c`` and ``A < 0`` the loss is capped at ``-c·A`` (Ye et al. 2020, verl
-    ``clip_ratio_c``). No reduction.
-
-    Args:
-      log_ratio_BT: ``log r`` (already clamped and 0 on masked tokens); float[B, T].
-      adv_BT: advantages, stop-gradiented, 0 on masked tokens; float[B, T].
-      ratio_low: lower absolute ratio bound.
-      ratio_high: upper absolute ratio bound.
-      dual_clip: optional ``c > 1``.
-
-    Returns:
-      float[B, T] per-token losses.
-    """
-    ratio = jnp.exp(log_ratio_BT)
-    unclipped = -adv_BT * ratio
-    clipped = -adv_BT * jnp.clip(ratio, ratio_low, ratio_high)
-    loss = jnp.maximum(unclipped, clipped)
-    if dual_clip is not None:
-        loss = jnp.where(adv_BT < 0, jnp.minimum(loss, -dual_clip * adv_BT), loss)
-    return loss
+from losses._policy import policy_term
+from losses._reductions import validate_reduction
 
 
 def grpo(
@@ -137,58 +97,29 @@ def grpo(
         correction=None if corr is None else corr.as_config(),
     )
 
-    def loss_fn(logprobs, batch: Batch):
-        lp = check_logprobs_shape(logprobs, batch)
-        batch = jax.lax.stop_gradient(batch)
-        old = require(batch, "old_logprobs", where)
-        valid = batch.action_mask > 0
-        adv = per_token_advantages(batch, valid, where)
-        w = term_weights(batch, "action", reduction, max_tokens)
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
 
-        log_ratio = clamped_log_ratio(lp, old, valid, max_log_ratio)
-        pg_BT = ppo_clip_terms(
-            log_ratio,
-            adv,
-            ratio_low=1.0 - clip_low,
-            ratio_high=1.0 + clip_high,
-            dual_clip=dual_clip,
-        )
-        corr_metrics = {}
-        if corr is not None:
-            c_BT, corr_metrics = corr.weights(batch, valid)
-            pg_BT = c_BT * pg_BT
-        pg_loss = jnp.sum(w * pg_BT)
-        if kl_coef > 0.0:
-            ref = require(batch, "ref_logprobs", where)
-            kl_BT = kl_penalty(lp, ref, valid, estimator=kl_estimator, max_log_ratio=max_log_ratio)
-            kl_loss = kl_coef * jnp.sum(w * kl_BT)
-            kl_metric = masked_mean(kl_BT, valid)
-        else:
-            kl_loss = jnp.zeros((), pg_loss.dtype)
-            kl_metric = jnp.zeros((), pg_loss.dtype)
-        loss = pg_loss + kl_loss
-
+    def per_token(*, log_ratio, adv, valid, **_):
         ratio = jax.lax.stop_gradient(jnp.exp(log_ratio))
-        clipped_low = valid & (adv < 0) & (ratio < 1.0 - clip_low)
-        clipped_high = valid & (adv > 0) & (ratio > 1.0 + clip_high)
-        if dual_clip is not None:
-            dual = valid & (adv < 0) & (ratio > dual_clip)
-        else:
-            dual = jnp.zeros_like(valid)
-        metrics = {
-            "loss": jax.lax.stop_gradient(loss),
-            "pg_loss": jax.lax.stop_gradient(pg_loss),
-            "kl_loss": jax.lax.stop_gradient(kl_loss),
-            "kl": kl_metric,
-            "clip_frac_low": masked_mean(clipped_low.astype(lp.dtype), valid),
-            "clip_frac_high": masked_mean(clipped_high.astype(lp.dtype), valid),
-            "dual_clip_frac": masked_mean(dual.astype(lp.dtype), valid),
-            "ratio_mean": masked_mean(ratio, valid),
-            "ratio_max": jnp.max(jnp.where(valid, ratio, 0.0)),
-            "adv_mean": masked_mean(adv, valid),
-            "num_tokens": jnp.sum(valid.astype(lp.dtype)),
-            **corr_metrics,
+        terms = ppo_clip_terms(log_ratio, adv, ratio_low=lo, ratio_high=hi, dual_clip=dual_clip)
+        low = valid & (adv < 0) & (ratio < lo)
+        high = valid & (adv > 0) & (ratio > hi)
+        dual = valid & (adv < 0) & (ratio > dual_clip) if dual_clip is not None else valid & False
+        return terms, {
+            "clip_frac_low": low.astype(ratio.dtype),
+            "clip_frac_high": high.astype(ratio.dtype),
+            "dual_clip_frac": dual.astype(ratio.dtype),
         }
-        return loss, metrics
 
-    return Term(name="grpo", fn=loss_fn, kind="grpo", config=config)
+    return policy_term(
+        name="grpo",
+        kind="grpo",
+        per_token=per_token,
+        reduction=reduction,
+        max_tokens=max_tokens,
+        max_log_ratio=max_log_ratio,
+        config=config,
+        correction=corr,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+    )

@@ -33,10 +33,10 @@ from losses._common import (
     kl_penalty,
     masked_mean,
     per_token_advantages,
+    ppo_clip_terms,
     safe,
 )
 from losses._correction import as_correction
-from losses._grpo import ppo_clip_terms
 from losses._reductions import term_weights, validate_reduction
 
 #: ``(*, logprobs, anchor, log_ratio, adv, valid) -> (ℓ[B, T], extra metrics)``.
@@ -87,8 +87,8 @@ def policy_term(
 
     Returns:
       A `Term`. Metrics: ``loss``, ``ratio_mean``, ``ratio_max``, ``adv_mean``, ``num_tokens``,
-      the ``extra`` metrics, the correction's ``mismatch_*`` metrics when on, and ``pg_loss``,
-      ``kl_loss``, ``kl`` when ``kl_coef > 0``.
+      ``pg_loss``, ``kl_loss``, ``kl`` (0 when ``kl_coef == 0``), the ``extra`` metrics, and the
+      correction's ``mismatch_*`` metrics when on.
     """
     corr = as_correction(correction, kind)
     mlr = 20.0 if max_log_ratio is None else max_log_ratio
@@ -127,9 +127,12 @@ def policy_term(
             kl_BT = kl_penalty(lp, ref, valid, estimator=kl_estimator, max_log_ratio=mlr)
             kl_loss = kl_coef * jnp.sum(w * kl_BT)
             loss = pg_loss + kl_loss
-            metrics["pg_loss"] = jax.lax.stop_gradient(pg_loss)
-            metrics["kl_loss"] = jax.lax.stop_gradient(kl_loss)
             metrics["kl"] = masked_mean(kl_BT, valid)
+        else:
+            kl_loss = jnp.zeros((), pg_loss.dtype)
+            metrics["kl"] = jnp.zeros((), pg_loss.dtype)
+        metrics["pg_loss"] = jax.lax.stop_gradient(pg_loss)
+        metrics["kl_loss"] = jax.lax.stop_gradient(kl_loss)
         ratio = jax.lax.stop_gradient(jnp.exp(log_ratio))
         metrics.update(
             {

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from losses._batch import Term
-from losses._common import check_number
-from losses._grpo import ppo_clip_terms
+from losses._common import check_number, ppo_clip_terms
 from losses._policy import _common_args, policy_term, ratio_bounds
 
 #: GSPO paper / TRL recipe clip offsets (ε_lo, ε_hi).
