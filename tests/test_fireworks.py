@@ -50,6 +50,7 @@ from tests.fireworks_fake import (
     FakeSamplingClient,
     FakeTrainingClient,
 )
+from tests.helpers import multi_turn_seqs
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 24
@@ -79,39 +80,14 @@ def make_fw(tmp_path, **kw) -> tuple[FakeFireworks, FireworksTrainer]:
 
 def rl_seqs(seed: int = 0, n: int = 6) -> list[Seq]:
     """Prompt / action / observation turns with sampling logprobs near the initial policy."""
-    rng = np.random.default_rng(seed)
-    ref = LocalTrainer(CFG)
-    raw = []
-    for _ in range(n):
-        length = int(rng.integers(12, 30))
-        tokens = rng.integers(0, VOCAB, length).astype(np.int64)
-        kind = np.zeros(length - 1, int)
-        t = int(rng.integers(3, 6))
-        while t < length - 1:
-            a = int(rng.integers(2, 6))
-            kind[t : t + a] = 1
-            t += a
-            o = int(rng.integers(1, 4))
-            kind[t : t + o] = 2
-            t += o + 1
-        raw.append((tokens, kind))
-    fwd = ref.forward([Seq(t) for t, _ in raw])
-    out = []
-    for (tokens, kind), lp in zip(raw, fwd, strict=True):
-        action = (kind == 1).astype(np.float64)
-        sampling = np.minimum(lp + rng.normal(0.0, 0.3, lp.shape), 0.0) * action
-        out.append(
-            Seq(
-                tokens,
-                dict(
-                    action_mask=action,
-                    obs_mask=(kind == 2).astype(np.float64),
-                    advantages=float(rng.normal()) * action,
-                    sampling_logprobs=sampling,
-                ),
-            )
-        )
-    return out
+    return multi_turn_seqs(
+        LocalTrainer(CFG),
+        np.random.default_rng(seed),
+        n=n,
+        vocab=VOCAB,
+        lengths=(12, 30),
+        obs_max=4,
+    )
 
 
 def assert_params_equal(a, b, atol=0.0):

@@ -17,6 +17,7 @@ import pytest
 import losses
 from runner import Seq, StepRunner
 from runner.local import LocalTrainer, LocalTrainerConfig
+from tests.helpers import multi_turn_seqs
 
 VOCAB = 24
 
@@ -41,41 +42,15 @@ def make_trainer(dtype: str) -> LocalTrainer:
 
 def make_seqs(trainer: LocalTrainer, seed: int = 0, n: int = 6) -> list[Seq]:
     """Prompt / action / observation turns with sampling logprobs near the current policy."""
-    rng = np.random.default_rng(seed)
-    raw = []
-    for _ in range(n):
-        length = int(rng.integers(14, 40))
-        tokens = rng.integers(0, VOCAB, length).astype(np.int64)
-        kind = np.zeros(length - 1, int)
-        t = int(rng.integers(3, 6))
-        while t < length - 1:
-            a = int(rng.integers(2, 6))
-            kind[t : t + a] = 1
-            t += a
-            o = int(rng.integers(1, 5))
-            kind[t : t + o] = 2
-            t += o + 1  # one wrapper token in neither mask
-        raw.append((tokens, kind))
-    fwd = trainer.forward([Seq(t) for t, _ in raw])
-    trainer.counters.update(forward=0, backward=0)
-    seqs = []
-    for (tokens, kind), lp in zip(raw, fwd, strict=True):
-        action = (kind == 1).astype(np.float64)
-        lp = np.asarray(lp, np.float64)
-        sampling = np.minimum(lp + rng.normal(0.0, 0.3, lp.shape), 0.0) * action
-        seqs.append(
-            Seq(
-                tokens,
-                dict(
-                    action_mask=action,
-                    obs_mask=(kind == 2).astype(np.float64),
-                    advantages=float(rng.normal()) * action,
-                    sampling_logprobs=sampling,
-                    ref_logprobs=np.minimum(lp - 0.1, 0.0) * action,
-                ),
-            )
-        )
-    return seqs
+    return multi_turn_seqs(
+        trainer,
+        np.random.default_rng(seed),
+        n=n,
+        vocab=VOCAB,
+        lengths=(14, 40),
+        obs_max=5,
+        with_ref=True,
+    )
 
 
 def direct_grad(trainer: LocalTrainer, term, seqs, dtype):
