@@ -27,16 +27,12 @@ import numpy as np
 
 import losses
 from runner._padding import (
-    BATCH_FIELDS,
     DEFAULT_LENGTH_BUCKETS,
-    PARALLEL_MIN_ENTRIES,
-    _pool,
     aligned_zeros,
+    batch_field_names,
     bucket,
-    pad_ragged,
     row_bucket,
     seqs_to_batch,
-    unpad,
 )
 from runner._types import Seq, Trainer, validate_seqs
 
@@ -86,8 +82,22 @@ class PassCounter:
         return {"passes/forwards": float(self.forwards), "passes/backwards": float(self.backwards)}
 
 
-def _to_float(metrics: Mapping[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in jax.device_get(dict(metrics)).items()}
+def _to_float(value_metrics: tuple[Any, Mapping[str, Any]]) -> tuple[float, dict[str, float]]:
+    """The loss and its metrics as Python floats, in one ``device_get``."""
+    value, metrics = jax.device_get((value_metrics[0], dict(value_metrics[1])))
+    return float(value), {k: float(v) for k, v in metrics.items()}
+
+
+def _structure(lp_BT: Any, batch: Any) -> Any:
+    """The input tree structure, which fixes a term's (value, metrics) structure."""
+    return jax.tree.structure((lp_BT, batch))
+
+
+def _pack_scalars(tree: Any) -> tuple[jax.Array, Any]:
+    """(one float32/64 vector of ``tree``'s scalar leaves, its treedef): one transfer, not ~20."""
+    leaves, treedef = jax.tree.flatten(tree)
+    dtype = jax.numpy.result_type(*leaves, jax.numpy.float32)
+    return jax.numpy.stack([jax.numpy.asarray(x, dtype).reshape(()) for x in leaves]), treedef
 
 
 class ClientLoss:
@@ -118,16 +128,29 @@ class ClientLoss:
         self._lock = threading.Lock()
         # One set of padded host buffers kept for the next call of the same bucket: fresh large
         # allocations page-fault on first write, which costs as much as the padding itself.
-        self._spare: tuple[tuple, list[np.ndarray]] | None = None
+        self._spare: tuple[tuple, list[np.ndarray], list[np.ndarray]] | None = None
         self._spare_lock = threading.Lock()
 
         def traced(lp_BT, batch):
             self.compile_count += 1  # runs at trace time only: counts compilations
             return term(lp_BT, batch)
 
-        self._value_and_grad = jax.jit(
-            jax.value_and_grad(traced, has_aux=True),
-            compiler_options=_compiler_options(jax.default_backend()),
+        value_and_grad = jax.value_and_grad(traced, has_aux=True)
+
+        # The (value, metrics) treedef of each traced input structure (set at trace time; a term's
+        # outputs depend on which batch fields are present, not on their shapes).
+        self._treedefs: dict[Any, Any] = {}
+
+        def value_and_weights(lp_BT, batch):
+            # The linear CE pass needs -dL/dlogprobs: negating inside the jit is free (fused).
+            # The loss and metrics come back as one vector (one host transfer, not one each).
+            (value, metrics), grad = value_and_grad(lp_BT, batch)
+            packed, treedef = _pack_scalars((value, dict(metrics)))
+            self._treedefs[_structure(lp_BT, batch)] = treedef
+            return packed, -grad
+
+        self._value_and_weights = jax.jit(
+            value_and_weights, compiler_options=_compiler_options(jax.default_backend())
         )
 
     def shapes(self, seqs: Sequence[Seq]) -> tuple[int, int]:
@@ -156,7 +179,27 @@ class ClientLoss:
             is one micro-batch of a larger step; default = this batch's own.
 
         Returns:
-          The term's loss, its metrics as floats, and the per-sequence gradients (float64 numpy).
+          The term's loss, its metrics as floats, and the per-sequence gradients (fresh float64
+          numpy arrays). `value_and_weights` returns their negation without the copies.
+        """
+        value, metrics, weights = self.value_and_weights(logprobs, seqs, norms)
+        return value, metrics, [np.negative(w, dtype=np.float64) for w in weights]
+
+    def value_and_weights(
+        self,
+        logprobs: Sequence[np.ndarray],
+        seqs: Sequence[Seq],
+        norms: Mapping[str, float] | None = None,
+    ) -> tuple[float, dict[str, float], list[np.ndarray]]:
+        """``(loss, metrics, [-dL/dlogprobs per sequence])``: the linear CE pass's ``weights``.
+
+        Like `value_and_grads`, but each sequence's ``weights = -dL/dlogprobs`` comes back in the
+        adapter's dtype as a read-only view of one padded output buffer (no per-sequence copy;
+        the buffer lives as long as any view of it). This is what the fused client pass sends.
+
+        With ``norms=None`` the term counts the batch's normalizers itself, inside the jitted
+        function (the same definition as `runner.normalizers`); a call with ``norms`` compiles
+        separately from one without (one compilation per bucket for each).
         """
         if len(logprobs) != len(seqs):
             raise ValueError(f"got {len(logprobs)} logprob arrays for {len(seqs)} sequences")
@@ -170,44 +213,44 @@ class ClientLoss:
             lengths.append(s.num_targets)
             arrays.append(lp)
         rows, length = self.shapes(seqs)
-        names = tuple(n for n in BATCH_FIELDS if n in seqs[0].inputs)
+        names = ("logprobs", *batch_field_names(seqs))
         key = (rows, length, names)
         # Aligned host buffers are used by XLA:CPU in place (no copy). They are refilled only
-        # after the computation that read them has finished (its outputs are on the host).
-        bufs = self._take_buffers(key, len(names) + 1)
-        # Large batches pad the logprobs on the shared pool while the main thread pads the
-        # batch fields (also on the pool).
-        pool = _pool() if rows * length >= PARALLEL_MIN_ENTRIES else None
-        pad_lp = (arrays, length, rows, self.dtype, bufs[0])
-        lp_job = pool.submit(pad_ragged, *pad_lp) if pool else None
-        batch = seqs_to_batch(
+        # after the computation that read them has finished (its outputs are on the host), and
+        # only their previously filled entries are re-zeroed (``dirty``: per-row filled length).
+        bufs, dirty = self._take_buffers(key, len(names))
+        lp_BT, batch = seqs_to_batch(
             seqs,
             length=length,
             rows=rows,
-            norms=norms,  # None: this batch's own, from the padded masks (= `normalizers`)
+            norms=norms,
             dtype=self.dtype,
-            out=dict(zip(names, bufs[1:], strict=True)),
+            out=dict(zip(names, bufs, strict=True)),
+            dirty=dict(zip(names, dirty, strict=True)),
+            count_in_term=True,  # norms=None: the term counts them, fused into the jit
+            logprobs=arrays,
         )
-        lp_BT = lp_job.result() if lp_job else pad_ragged(*pad_lp)
         with self._lock:
-            (value, metrics), grad = self._value_and_grad(lp_BT, batch)
-        grads = unpad(np.asarray(grad), lengths, dtype=np.float64)
-        value, metrics = float(value), _to_float(metrics)
+            packed, weights = self._value_and_weights(lp_BT, batch)
+        weights = np.asarray(weights)  # the host buffer itself on CPU (read-only)
+        treedef = self._treedefs[_structure(lp_BT, batch)]
+        value, metrics = jax.tree.unflatten(treedef, np.asarray(packed).tolist())
         del lp_BT, batch
-        self._give_back(key, bufs)
-        return value, metrics, grads
+        self._give_back(key, bufs, dirty)
+        return value, metrics, [weights[i, :n] for i, n in enumerate(lengths)]
 
-    def _take_buffers(self, key: tuple, count: int) -> list[np.ndarray]:
+    def _take_buffers(self, key: tuple, count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         with self._spare_lock:
             spare, self._spare = self._spare, None
         if spare is not None and spare[0] == key:
-            return spare[1]
+            return spare[1], spare[2]
         rows, length = key[0], key[1]
-        return [aligned_zeros((rows, length), self.dtype) for _ in range(count)]
+        bufs = [aligned_zeros((rows, length), self.dtype) for _ in range(count)]
+        return bufs, [np.zeros(rows, np.int64) for _ in range(count)]
 
-    def _give_back(self, key: tuple, bufs: list[np.ndarray]) -> None:
+    def _give_back(self, key: tuple, bufs: list[np.ndarray], dirty: list[np.ndarray]) -> None:
         with self._spare_lock:
-            self._spare = (key, bufs)
+            self._spare = (key, bufs, dirty)
 
     def __call__(
         self,
@@ -241,8 +284,8 @@ class ClientLoss:
             raise ValueError(
                 f"precomputed forward has {len(forward)} entries for {len(seqs)} sequences"
             )
-        value, metrics, grads = self.value_and_grads(forward, seqs, norms)
-        linear = [s.with_inputs(weights=-g) for s, g in zip(seqs, grads, strict=True)]
+        value, metrics, weights = self.value_and_weights(forward, seqs, norms)
+        linear = [s.with_inputs(weights=w) for s, w in zip(seqs, weights, strict=True)]
         result = trainer.forward_backward(linear, "cross_entropy")
         counter.forward_backward()
         metrics["surrogate_loss"] = float(result.metrics.get("loss:sum", float("nan")))

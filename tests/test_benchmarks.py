@@ -91,10 +91,12 @@ def test_loss_speed_quick(quick):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, key
         assert r["compile_count"] == 1  # warm timings: one compilation, reused every call
         assert r["numpy_check"]["agrees"]
-        if r["torch_ms"] is None:  # torch is optional
-            assert data["config"]["torch"].startswith("skipped")
-        else:
-            assert r["torch_check"]["agrees"] and r["torch_over_foldloss"] > 0
+        for name in ("cookbook", "tuned"):
+            if r[f"torch_{name}_ms"] is None:  # torch is optional
+                assert data["config"]["torch"].startswith("skipped")
+            else:
+                assert r[f"torch_{name}_check"]["agrees"], name
+                assert r[f"torch_{name}_over_foldloss"] > 0, name
 
 
 def test_compile_count_quick(quick):
@@ -125,7 +127,9 @@ def test_documented_command_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = read_json(out)
     assert data["config"]["torch"] == "skipped (--no-torch)"
-    assert all(r["torch_ms"] is None for r in data["results"])
+    assert all(
+        r["torch_cookbook_ms"] is None and r["torch_tuned_ms"] is None for r in data["results"]
+    )
 
 
 @pytest.mark.parametrize("rows, length", [(8, 64), (64, 4096)])  # inline and thread-pool paths
