@@ -112,26 +112,20 @@ def pad_fields(
         )
     # Row-major: each source row is read once while its destinations are written (better
     # locality than one field after another, ~25% faster on a [256, 4096] batch).
-    if dirty is None:
-        for i in range(n_rows):
-            for k in range(count):
-                a = columns[k][i]
-                out[k][i, : a.shape[0]] = a
-    else:
-        for i in range(n_rows):
-            for k in range(count):
-                a = columns[k][i]
-                n = a.shape[0]
-                out[k][i, :n] = a
-                d = dirty[k]
-                if d[i] > n:
-                    out[k][i, n : d[i]] = 0
-                d[i] = n
+    for i in range(n_rows):
         for k in range(count):
-            d = dirty[k]
+            a = columns[k][i]
+            out[k][i, : a.shape[0]] = a
+    if dirty is not None:  # zero what the previous fill left beyond the new lengths
+        for k in range(count):
+            d, o = dirty[k], out[k]
+            new = np.fromiter((a.shape[0] for a in columns[k]), np.int64, n_rows)
+            for i in np.flatnonzero(d[:n_rows] > new):
+                o[i, new[i] : d[i]] = 0
             for i in np.flatnonzero(d[n_rows:]) + n_rows:
-                out[k][i, : d[i]] = 0
-                d[i] = 0
+                o[i, : d[i]] = 0
+            d[:n_rows] = new
+            d[n_rows:] = 0
     return out
 
 

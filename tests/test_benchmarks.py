@@ -169,3 +169,32 @@ def test_client_loss_own_normalizers_equal_normalizers_of_the_sequences():
     assert expected["num_rows"] == 6
     for name, value in expected.items():
         assert float(getattr(batch, name)) == value, name
+
+
+def test_torch_closures_compute_the_foldloss_term():
+    # The two torch baselines of loss_speed (cookbook-style through the SDK protocol's list
+    # conversions, and the tuned loop) must compute the same loss and -grad as foldloss, or their
+    # times mean nothing. torch is optional (not installed in CI).
+    pytest.importorskip("torch")
+    import numpy as np
+
+    from runner import ClientLoss
+
+    bench = load("loss_speed")
+    seqs, lps = bench.make_batch(6, 300, seed=4)
+    value, _, weights = ClientLoss(bench.make_term()).value_and_weights(lps, seqs)
+    cookbook, tuned = bench.torch_cookbook_fn(1), bench.torch_tuned_fn(1)
+    try:
+        for got_value, got, _ in (cookbook(bench.cookbook_inputs(lps, seqs)), tuned(lps, seqs)):
+            np.testing.assert_allclose(got_value, value, rtol=1e-5)
+            for g, w in zip(got, weights, strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-7)
+        # The cookbook-style closure checks its rollout logprobs per position, as the cookbook.
+        inputs = bench.cookbook_inputs(lps, seqs)
+        active = int(np.flatnonzero(seqs[0].inputs["action_mask"])[0])
+        inputs["inf_logprobs"][0][active] = None
+        with pytest.raises(ValueError, match="rollout logprob missing"):
+            cookbook(inputs)
+    finally:
+        cookbook.restore()
+        tuned.restore()
