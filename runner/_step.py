@@ -261,7 +261,7 @@ class StepRunner:
         server_loss = float(result.metrics.get("loss:sum", float("nan")))
         if result.logprobs:
             # The term's value and metrics from the logprobs the kernel saw (no extra pass).
-            value, metrics, _ = self.client.value_and_grads(result.logprobs, chunk, norms)
+            value, metrics, _ = self.client.value_and_weights(result.logprobs, chunk, norms)
         else:  # a backend that returns no per-token logprobs: the kernel's loss is the term's
             value, metrics = server_loss, {}
         metrics["server_loss"] = server_loss

@@ -155,7 +155,7 @@ def test_client_loss_reused_buffers_give_fresh_results(rows, length):
 
 
 def test_client_loss_own_normalizers_equal_normalizers_of_the_sequences():
-    # value_and_grads(norms=None) computes the normalizers from the padded masks (faster);
+    # ClientLoss.batch(norms=None) computes the normalizers from the padded masks (faster);
     # they must equal `normalizers(seqs)`, including rows with neither actions nor observations.
     import numpy as np
 
