@@ -151,16 +151,19 @@ def pad_ragged(
     )[0]
 
 
-def unpad(padded: np.ndarray, lengths: Sequence[int], dtype=None) -> list[np.ndarray]:
+def unpad(
+    padded: np.ndarray, lengths: Sequence[int], dtype=None, *, copy: bool = False
+) -> list[np.ndarray]:
     """The inverse of `pad_ragged`: row ``i`` cut to ``lengths[i]``.
 
-    With ``dtype`` different from ``padded.dtype`` each row is converted on its own (a fresh
-    array per row, converting only the real entries); otherwise the rows are views.
+    Rows are views of ``padded``, unless ``copy`` or a ``dtype`` other than ``padded.dtype`` is
+    given: then each row is a fresh array (converting only the real entries).
     """
     padded = np.asarray(padded)
-    if dtype is None or np.dtype(dtype) == padded.dtype:
+    if not copy and (dtype is None or np.dtype(dtype) == padded.dtype):
         return [padded[i, :n] for i, n in enumerate(lengths)]
-    return [padded[i, :n].astype(dtype) for i, n in enumerate(lengths)]
+    dtype = padded.dtype if dtype is None else dtype
+    return [np.array(padded[i, :n], dtype=dtype) for i, n in enumerate(lengths)]
 
 
 def normalizers(seqs: Sequence[Seq]) -> dict[str, float]:

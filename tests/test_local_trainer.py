@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -678,3 +679,16 @@ def test_set_params():
         b.set_params(bad)
     with pytest.raises(ValueError, match="structure"):
         b.set_params({"embed": bad["embed"]})
+    wrong_dtype = jax.tree.map(lambda x: x.astype(np.float16), jax.device_get(a.params))
+    with pytest.raises(ValueError, match="dtype float16"):
+        b.set_params(wrong_dtype)
+
+
+def test_set_params_takes_jax_arrays_without_deprecation_warnings():
+    a, b = make_trainer(), make_trainer(seed=1)
+    s = rand_seqs(np.random.default_rng(11), [5, 7])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        b.set_params(a.params)  # jax arrays, as the Fireworks stand-in passes them
+    for x, y in zip(a.forward(s), b.forward(s), strict=True):
+        np.testing.assert_array_equal(x, y)

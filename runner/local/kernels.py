@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 import losses
+from runner._padding import pad_ragged
 from runner._types import Seq, check_kernel_inputs
 
 
@@ -181,25 +182,6 @@ def check_inputs(kernel: Kernel, seqs: Sequence[Seq]) -> None:
     check_kernel_inputs(seqs, kernel.inputs, kernel.name)
 
 
-def pad_ragged(arrays: Sequence[np.ndarray], rows: int, width: int, dtype) -> np.ndarray:
-    """Right-pads 1-D arrays into zeros ``[rows, width]`` with one vectorized scatter."""
-    out = np.zeros((rows, width), dtype)
-    lengths = np.fromiter((a.shape[0] for a in arrays), np.int64, len(arrays))
-    if lengths.sum():
-        starts = np.cumsum(lengths) - lengths
-        row_idx = np.repeat(np.arange(len(arrays)), lengths)
-        col_idx = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
-        out[row_idx, col_idx] = np.concatenate(arrays)
-    return out
-
-
-def unpad(padded: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
-    """Inverse of `pad_ragged`: the first ``lengths[i]`` entries of row ``i`` (fresh copies)."""
-    n = np.asarray(lengths, np.int64)
-    mask = np.arange(padded.shape[1])[None, :] < n[:, None]
-    return np.split(padded[: n.shape[0]][mask], np.cumsum(n)[:-1])
-
-
 def build_batch(kernel: Kernel, seqs: Sequence[Seq], rows: int, width: int, dtype) -> dict:
     """Host-side padded arrays for `losses.Batch` (``[rows, width]``, model dtype).
 
@@ -210,7 +192,7 @@ def build_batch(kernel: Kernel, seqs: Sequence[Seq], rows: int, width: int, dtyp
     mask = np.zeros((rows, width), dtype)
     mask[: len(seqs)] = np.arange(width)[None, :] < n[:, None]
     arrays = {
-        name: pad_ragged([s.inputs[name] for s in seqs], rows, width, dtype)
+        name: pad_ragged([s.inputs[name] for s in seqs], width, rows, dtype)
         for name in kernel.inputs
     }
     fields = {"action_mask": mask}

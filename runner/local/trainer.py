@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import losses
+from runner._padding import pad_ragged, unpad
 from runner._types import (
     NORMALIZATIONS,
     AdamParams,
@@ -266,9 +267,12 @@ class LocalTrainer:
         for name, (x, y) in model.flatten(
             jax.tree.map(lambda a, b: (a, b), params, self._params)
         ).items():
-            if tuple(np.shape(x)) != tuple(y.shape) or np.result_type(x) != y.dtype:
+            # ``x.dtype``, not ``np.result_type(x)``: numpy's dtype inference from a jax array is
+            # deprecated in jax (a DeprecationWarning, an error in the future).
+            dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
+            if tuple(np.shape(x)) != tuple(y.shape) or dtype != y.dtype:
                 raise ValueError(
-                    f"set_params: '{name}' has shape {np.shape(x)} / dtype {np.result_type(x)}, "
+                    f"set_params: '{name}' has shape {np.shape(x)} / dtype {dtype}, "
                     f"expected {y.shape} / {y.dtype}"
                 )
         self._params = jax.device_put(params, self._rep)
@@ -295,7 +299,7 @@ class LocalTrainer:
         lengths = np.fromiter((s.tokens.shape[0] for s in seqs), np.int32, len(seqs))
         width = length_bucket(int(lengths.max()) - 1, self.config.max_seq_len)
         rows = row_bucket(len(seqs), self.num_devices, self.MIN_ROWS)
-        tokens = kernels.pad_ragged([s.tokens for s in seqs], rows, width + 1, np.int32)
+        tokens = pad_ragged([s.tokens for s in seqs], width + 1, rows, np.int32)
         padded_lengths = np.zeros((rows,), np.int32)
         padded_lengths[: len(seqs)] = lengths
         return tokens, padded_lengths, rows, width
@@ -326,7 +330,7 @@ class LocalTrainer:
         lp = fn(self._params, self._put_rows(tokens), self._put_rows(lengths))
         lp = np.asarray(jax.device_get(lp), self.config.dtype)
         self.counters["forward"] += 1
-        return kernels.unpad(lp, [s.num_targets for s in seqs])
+        return unpad(lp, [s.num_targets for s in seqs], copy=True)
 
     # -- forward_backward -------------------------------------------------------------------
 
@@ -380,7 +384,7 @@ class LocalTrainer:
         out["num_sequences:sum"] = float(len(seqs))
         lp = np.asarray(jax.device_get(lp), self.config.dtype)
         return ForwardBackwardResult(
-            logprobs=kernels.unpad(lp, [s.num_targets for s in seqs]), metrics=out
+            logprobs=unpad(lp, [s.num_targets for s in seqs], copy=True), metrics=out
         )
 
     # -- optim_step -------------------------------------------------------------------------
