@@ -77,52 +77,68 @@ def validate_seqs(
     """Raises ``ValueError`` naming the sequence and field for malformed sequences.
 
     Rules: at least one sequence; tokens are rank-1 integers with ≥ 2 entries (and within
-    ``vocab_size``/``max_len`` when given); every input is rank 1 with length ``N-1`` and finite;
-    every field in ``required`` is present.
+    ``vocab_size``/``max_len`` when given); every input is rank 1 with length ``N-1``, real
+    (integer or float) and finite; every field in ``required`` is present.
     """
     if len(seqs) == 0:
         raise ValueError("empty batch: at least one sequence is required")
-    for j, seq in enumerate(seqs):
-        i = j + offset
-        if not isinstance(seq, Seq):
-            raise ValueError(f"sequence {i}: expected a runner.Seq, got {type(seq).__name__}")
-        toks = seq.tokens
-        if toks.ndim != 1 or toks.shape[0] < 2:
-            raise ValueError(
-                f"sequence {i}: tokens must be rank 1 with at least 2 entries, got shape {toks.shape}"
-            )
-        if not np.issubdtype(toks.dtype, np.integer):
-            raise ValueError(f"sequence {i}: tokens must be integers, got dtype {toks.dtype}")
-        if vocab_size is not None and (toks.min() < 0 or toks.max() >= vocab_size):
-            bad = int(np.argmax((toks < 0) | (toks >= vocab_size)))
-            raise ValueError(
-                f"sequence {i}: token {int(toks[bad])} at position {bad} is outside the vocabulary "
-                f"[0, {vocab_size})"
-            )
-        if max_len is not None and toks.shape[0] - 1 > max_len:
-            raise ValueError(
-                f"sequence {i}: model-input length {toks.shape[0] - 1} exceeds max_seq_len={max_len}"
-            )
-        n = toks.shape[0] - 1
-        for name in required:
-            if name not in seq.inputs:
-                raise ValueError(f"sequence {i}: missing required field '{name}'")
-        for name, arr in seq.inputs.items():
-            arr = np.asarray(arr)
-            if arr.shape != (n,):
+    # The finiteness fast path sums each float field; an overflowing sum (huge finite entries)
+    # or inf - inf is expected there and re-checked entry by entry, so numpy need not warn.
+    with np.errstate(over="ignore", invalid="ignore"):
+        for j, seq in enumerate(seqs):
+            i = j + offset
+            if not isinstance(seq, Seq):
+                raise ValueError(f"sequence {i}: expected a runner.Seq, got {type(seq).__name__}")
+            toks = seq.tokens
+            if toks.ndim != 1 or toks.shape[0] < 2:
                 raise ValueError(
-                    f"sequence {i}: field '{name}' has shape {arr.shape}, expected ({n},) "
-                    f"(one entry per target token: len(tokens) - 1)"
+                    f"sequence {i}: tokens must be rank 1 with at least 2 entries, got shape {toks.shape}"
                 )
-            if not np.issubdtype(arr.dtype, np.number):
-                raise ValueError(f"sequence {i}: field '{name}' must be numeric, got {arr.dtype}")
-            finite = np.isfinite(arr)
-            if not finite.all():
-                t = int(np.argmin(finite))
+            if not np.issubdtype(toks.dtype, np.integer):
+                raise ValueError(f"sequence {i}: tokens must be integers, got dtype {toks.dtype}")
+            if vocab_size is not None and (toks.min() < 0 or toks.max() >= vocab_size):
+                bad = int(np.argmax((toks < 0) | (toks >= vocab_size)))
                 raise ValueError(
-                    f"sequence {i}: field '{name}' has a non-finite value {float(arr[t])} at "
-                    f"target {t}"
+                    f"sequence {i}: token {int(toks[bad])} at position {bad} is outside the vocabulary "
+                    f"[0, {vocab_size})"
                 )
+            if max_len is not None and toks.shape[0] - 1 > max_len:
+                raise ValueError(
+                    f"sequence {i}: model-input length {toks.shape[0] - 1} exceeds max_seq_len={max_len}"
+                )
+            n = toks.shape[0] - 1
+            for name in required:
+                if name not in seq.inputs:
+                    raise ValueError(f"sequence {i}: missing required field '{name}'")
+            for name, arr in seq.inputs.items():
+                arr = np.asarray(arr)
+                if arr.shape != (n,):
+                    raise ValueError(
+                        f"sequence {i}: field '{name}' has shape {arr.shape}, expected ({n},) "
+                        f"(one entry per target token: len(tokens) - 1)"
+                    )
+                kind = arr.dtype.kind  # (cheaper than np.issubdtype per field)
+                if kind not in _NUMERIC_KINDS:
+                    raise ValueError(
+                        f"sequence {i}: field '{name}' must be numeric (real), got {arr.dtype}"
+                    )
+                if kind != "f" or math.isfinite(arr.sum()):
+                    # Integers are finite; a finite sum proves every entry finite (an inf or nan
+                    # anywhere makes it inf or nan). An infinite sum may also be an overflow of huge
+                    # finite entries: only then look entry by entry.
+                    continue
+                finite = np.isfinite(arr)
+                if not finite.all():
+                    t = int(np.argmin(finite))
+                    raise ValueError(
+                        f"sequence {i}: field '{name}' has a non-finite value {float(arr[t])} at "
+                        f"target {t}"
+                    )
+
+
+#: ``dtype.kind`` of the accepted field dtypes: real numbers (signed, unsigned, float). Complex
+#: fields are rejected: no kernel or loss reads them, and the wire has no complex dtype.
+_NUMERIC_KINDS = "iuf"
 
 
 #: Largest anchor logprob a kernel accepts (float32 log-softmax may round a hair above 0).

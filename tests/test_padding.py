@@ -155,3 +155,36 @@ def test_batch_with_logprobs_and_field_errors():
         batch_field_names(partial)
     with pytest.raises(ValueError, match="sequence 0: missing required field 'action_mask'"):
         batch_field_names([Seq(seqs[0].tokens, {"obs_mask": seqs[0].inputs["obs_mask"]})])
+
+
+@pytest.mark.parametrize(
+    "values, error",
+    [
+        (np.array([1e308, 1e308, 0.0]), None),  # the sum overflows; every entry is finite
+        (np.array([1e38, 1e38, 1e38], np.float32), None),
+        (np.array([1, 2, 3], np.uint8), None),
+        (np.array([0.0, np.inf, -np.inf]), "non-finite value inf at target 1"),  # sum is nan
+        (np.array([0.0, 1.0, np.nan]), "non-finite value nan at target 2"),
+        (np.array([1 + 1j, 0, 0]), r"must be numeric \(real\), got complex128"),
+        (np.array([True, False, True]), r"must be numeric \(real\), got bool"),
+    ],
+)
+def test_validate_seqs_finiteness_fast_path_is_exact(values, error):
+    # validate_seqs proves finiteness from one sum per float field and looks entry by entry only
+    # when the sum is not finite: an overflowing sum of finite entries must not be an error, and
+    # no numpy overflow warning may leak to the caller.
+    import warnings
+
+    from runner import validate_seqs
+
+    seqs = [
+        Seq(np.zeros(4, np.int64), {"action_mask": np.ones(3)}),
+        Seq(np.zeros(4, np.int64), {"action_mask": values}),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if error is None:
+            validate_seqs(seqs)
+        else:
+            with pytest.raises(ValueError, match=f"sequence 1: field 'action_mask' .*{error}"):
+                validate_seqs(seqs)
