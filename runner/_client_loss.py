@@ -82,12 +82,6 @@ class PassCounter:
         return {"passes/forwards": float(self.forwards), "passes/backwards": float(self.backwards)}
 
 
-def _to_float(value_metrics: tuple[Any, Mapping[str, Any]]) -> tuple[float, dict[str, float]]:
-    """The loss and its metrics as Python floats, in one ``device_get``."""
-    value, metrics = jax.device_get((value_metrics[0], dict(value_metrics[1])))
-    return float(value), {k: float(v) for k, v in metrics.items()}
-
-
 def _structure(lp_BT: Any, batch: Any) -> Any:
     """The input tree structure, which fixes a term's (value, metrics) structure."""
     return jax.tree.structure((lp_BT, batch))
