@@ -46,15 +46,8 @@ def random_step(rng: np.random.Generator, max_rows: int, max_len: int) -> list[S
     for _ in range(n):
         length = int(rng.integers(max(scale // 2, 2), scale + 1))  # tokens
         t_count = length - 1
-        kind = np.zeros(t_count, np.int8)
-        t = min(int(rng.integers(1, 8)), t_count)
-        while t < t_count:
-            a = int(rng.integers(2, 12))
-            kind[t : t + a] = 1
-            t += a
-            o = int(rng.integers(1, 8))
-            kind[t : t + o] = 2
-            t += o
+        start = min(int(rng.integers(1, 8)), t_count)
+        kind = _common.turn_kinds(rng, t_count, start, (2, 12), (1, 8))
         action = (kind == 1).astype(np.float64)
         if not action.any():
             action[-1], kind[-1] = 1.0, 1

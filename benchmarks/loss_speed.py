@@ -85,15 +85,8 @@ def make_batch(num: int, length: int, seed: int = 0) -> tuple[list[Seq], list[np
     seqs, lps = [], []
     for i in range(num):
         n = length if i == 0 else int(rng.integers(length // 2, length + 1))
-        kind = np.zeros(n, np.int8)  # 0 prompt / wrapper, 1 action, 2 observation
-        t = PROMPT - 1  # targets 0..126 are prompt tokens 1..127
-        while t < n:
-            a = int(rng.integers(16, 257))
-            kind[t : t + a] = 1
-            t += a
-            o = int(rng.integers(8, 129))
-            kind[t : t + o] = 2
-            t += o
+        # 0 prompt / wrapper, 1 action, 2 observation; targets 0..126 are prompt tokens 1..127
+        kind = _common.turn_kinds(rng, n, PROMPT - 1, (16, 257), (8, 129))
         action = (kind == 1).astype(np.float64)
         lp = -rng.exponential(1.0, n).astype(np.float32)
         seqs.append(
