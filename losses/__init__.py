@@ -5,8 +5,16 @@ with `fold`. See DESIGN.md §3-4 for the data conventions.
 """
 
 from losses._advantages import ESTIMATORS, group_advantages
-from losses._batch import Batch, Term
-from losses._checks import check_batch
+from losses._batch import (
+    DATA_FIELDS,
+    FIELDS,
+    NORMALIZER_FIELDS,
+    Batch,
+    Term,
+    Twin,
+    UnknownFieldError,
+)
+from losses._checks import MAX_LOGPROB, check_batch, count_violations
 from losses._common import KL_ESTIMATORS, ppo_clip_terms
 from losses._correction import (
     CORRECTION_KINDS,
@@ -37,6 +45,13 @@ from losses._twin import builtin_twin
 
 __all__ = [
     "Batch",
+    "DATA_FIELDS",
+    "FIELDS",
+    "MAX_LOGPROB",
+    "NORMALIZER_FIELDS",
+    "Twin",
+    "UnknownFieldError",
+    "count_violations",
     "MismatchCorrection",
     "Term",
     "CORRECTION_KINDS",

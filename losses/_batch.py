@@ -4,13 +4,19 @@ Data conventions (DESIGN.md §3): every per-token array is *target-aligned* and 
 ``[B, T]``; entry ``[i, t]`` describes target token ``t`` of row ``i``. Masks are 0/1 floats and
 padding is never inferred from token ids. The only differentiable input of a term is
 ``logprobs``; everything in a `Batch` is data.
+
+`Batch` is strict: its fields are the explicit dataclass fields below (`FIELDS`), and
+user-defined arrays go only through the ``extra={...}`` mapping. A misspelt keyword fails at
+construction with the closest known name (a silently ignored ``obs_masks`` would make ECHO a
+zero loss).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any, Never
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +26,9 @@ Array = jax.Array
 Metrics = dict[str, Array]
 TermFn = Callable[[Array, "Batch"], tuple[Array, Metrics]]
 
-#: Fields every `Batch` has, in pytree order. ``num_*`` are optional global normalizers: 0-d
-#: arrays that `split_batch` sets so that micro-batches carry the full batch's denominators.
-CORE_FIELDS = (
+#: The per-token (or per-row) data fields a runner sequence may carry into a `Batch`; the one
+#: list the runner imports.
+DATA_FIELDS = (
     "action_mask",
     "obs_mask",
     "advantages",
@@ -30,12 +36,34 @@ CORE_FIELDS = (
     "old_logprobs",
     "ref_logprobs",
     "weights",
-    "num_rows",
-    "num_action_tokens",
-    "num_obs_tokens",
 )
+#: Optional global normalizers: 0-d arrays that `split_batch` sets so that micro-batches carry
+#: the full batch's denominators.
 NORMALIZER_FIELDS = ("num_rows", "num_action_tokens", "num_obs_tokens")
+#: Every explicit field of a `Batch`, in pytree order (then the ``extra`` entries by name).
+FIELDS = DATA_FIELDS + NORMALIZER_FIELDS
+#: Backwards-compatible name of `FIELDS`.
+CORE_FIELDS = FIELDS
+#: Masks: 0/1 values, disjoint.
+MASK_FIELDS = ("action_mask", "obs_mask")
+#: Anchor / reference log-probabilities: ``≤ 0`` where read.
+LOGPROB_FIELDS = ("sampling_logprobs", "old_logprobs", "ref_logprobs")
 _PER_TOKEN_FIELDS = ("obs_mask", "sampling_logprobs", "old_logprobs", "ref_logprobs", "weights")
+
+
+class UnknownFieldError(TypeError, ValueError):
+    """An unknown `Batch` keyword (a ``TypeError`` like any bad keyword, and a ``ValueError``
+    like every other bad-input error of this package)."""
+
+
+def unknown_field_message(where: str, name: str, known: tuple[str, ...]) -> str:
+    """``"<where>: unknown field 'x'; did you mean 'y'? Known fields: ..."``."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return (
+        f"{where}: unknown field {name!r}{hint} (known fields: {', '.join(known)}; "
+        "user-defined arrays go in extra={...})"
+    )
 
 
 def _as_array(name: str, value: Any) -> Any:
@@ -54,12 +82,9 @@ def _as_array(name: str, value: Any) -> Any:
     return value
 
 
+@dataclasses.dataclass(frozen=True, eq=False, init=False, repr=False)
 class Batch:
-    """A padded batch of target-aligned per-token arrays; a JAX pytree.
-
-    ``Batch(*, action_mask, obs_mask=None, advantages=None, sampling_logprobs=None,
-    old_logprobs=None, ref_logprobs=None, weights=None, num_rows=None, num_action_tokens=None,
-    num_obs_tokens=None, **extra)``
+    """A padded batch of target-aligned per-token arrays; a frozen dataclass and a JAX pytree.
 
     Args:
       action_mask: 1.0 on tokens the policy generated (policy-loss targets), else 0.0;
@@ -76,13 +101,28 @@ class Batch:
         or observation token (the ``N`` of the seq-mean reductions). ``None`` = count this batch.
       num_action_tokens: optional 0-d total of ``action_mask`` over the optimizer batch.
       num_obs_tokens: optional 0-d total of ``obs_mask`` over the optimizer batch.
-      **extra: more fields; arrays with a leading ``[B]`` axis are split by `split_batch`.
+      extra: user-defined fields by name (custom terms read them with ``batch.extra[name]``
+        or ``batch.get(name)``); arrays with a leading ``[B]`` axis are split by `split_batch`.
 
-    Shapes are validated eagerly (``ValueError`` naming the field); values are validated on the
-    host by `check_batch`. Integer or bool masks are converted to float32.
+    Any other keyword raises `UnknownFieldError` naming it and the closest known field. Shapes
+    are validated eagerly (``ValueError`` naming the field); values are validated on the host by
+    `check_batch`. Integer or bool masks are converted to float32.
+
+    Returns:
+      The immutable batch; ``batch.replace(...)`` makes a validated copy.
     """
 
-    __slots__ = ("_fields",)
+    action_mask: Any
+    obs_mask: Any = None
+    advantages: Any = None
+    sampling_logprobs: Any = None
+    old_logprobs: Any = None
+    ref_logprobs: Any = None
+    weights: Any = None
+    num_rows: Any = None
+    num_action_tokens: Any = None
+    num_obs_tokens: Any = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __init__(
         self,
@@ -97,8 +137,12 @@ class Batch:
         num_rows: Any = None,
         num_action_tokens: Any = None,
         num_obs_tokens: Any = None,
-        **extra: Any,
+        extra: Mapping[str, Any] | None = None,
+        **unknown: Never,
     ) -> None:
+        if unknown:
+            name = sorted(unknown)[0]
+            raise UnknownFieldError(unknown_field_message("Batch", name, FIELDS + ("extra",)))
         if action_mask is None:
             raise ValueError("Batch field 'action_mask' is required")
         if old_logprobs is None:
@@ -115,75 +159,90 @@ class Batch:
             num_action_tokens=num_action_tokens,
             num_obs_tokens=num_obs_tokens,
         )
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise ValueError(f"Batch field 'extra' must be a mapping of name -> array, got {extra!r}")
         for key in extra:
-            if key.startswith("_"):
-                raise ValueError(f"Batch field names may not start with '_': {key!r}")
+            if not isinstance(key, str) or not key or key.startswith("_"):
+                raise ValueError(
+                    f"Batch extra field names must be non-empty strings not starting with '_': "
+                    f"{key!r}"
+                )
+            if key in FIELDS or key == "extra":
+                raise ValueError(
+                    f"Batch extra field {key!r} shadows the explicit field of that name; pass it "
+                    f"as {key}=..."
+                )
         fields = {k: _as_array(k, v) for k, v in values.items()}
-        fields.update({k: (_as_array(k, v) if v is not None else None) for k, v in extra.items()})
-        _check_shapes(fields)
-        object.__setattr__(self, "_fields", fields)
+        extras = {k: _as_array(k, v) for k, v in sorted(extra.items())}
+        _check_shapes(fields, extras)
+        for k, v in fields.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "extra", extras)
 
     # -- field access ------------------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        fields = object.__getattribute__(self, "_fields")
-        try:
-            return fields[name]
-        except KeyError:
-            raise AttributeError(f"Batch has no field {name!r}") from None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("Batch is immutable; use batch.replace(...)")
-
     def get(self, name: str, default: Any = None) -> Any:
-        return self._fields.get(name, default)
+        """An explicit field or an ``extra`` entry by name (``default`` when absent or None)."""
+        if name in FIELDS:
+            value = getattr(self, name)
+        else:
+            value = self.extra.get(name)
+        return default if value is None else value
 
     @property
-    def fields(self) -> Mapping[str, Any]:
-        """All fields (including ``None`` ones) in pytree order."""
-        return dict(self._fields)
+    def fields(self) -> dict[str, Any]:
+        """Explicit fields (including ``None`` ones) in pytree order, then the extra entries."""
+        out = {k: getattr(self, k) for k in FIELDS}
+        out.update(self.extra)
+        return out
 
     @property
     def extra_fields(self) -> tuple[str, ...]:
-        return tuple(k for k in self._fields if k not in CORE_FIELDS)
+        """Names of the ``extra`` entries."""
+        return tuple(self.extra)
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(B, T)``."""
-        return tuple(self._fields["action_mask"].shape)  # type: ignore[return-value]
+        return tuple(self.action_mask.shape)  # type: ignore[return-value]
 
     def replace(self, **changes: Any) -> Batch:
         """A copy with some fields replaced (validated like the constructor).
 
-        Replacing ``sampling_logprobs`` does not touch ``old_logprobs``: the default only applies
-        at construction.
+        ``extra=`` replaces the whole mapping. Replacing ``sampling_logprobs`` does not touch
+        ``old_logprobs``: the default only applies at construction.
         """
-        fields = dict(self._fields)
-        unknown = [k for k in changes if k.startswith("_")]
-        if unknown:
-            raise ValueError(f"Batch field names may not start with '_': {unknown}")
-        fields.update(changes)
-        return Batch(**fields)
-
-    def __iter__(self) -> Iterator[str]:  # pragma: no cover - convenience
-        return iter(self._fields)
+        for name in changes:
+            if name not in FIELDS and name != "extra":
+                raise UnknownFieldError(
+                    unknown_field_message("Batch.replace", name, FIELDS + ("extra",))
+                )
+        values = {k: getattr(self, k) for k in FIELDS}
+        values["extra"] = dict(self.extra)
+        values.update(changes)
+        return Batch(**values)
 
     def __repr__(self) -> str:
         parts = []
-        for k, v in self._fields.items():
+        for k, v in self.fields.items():
             if v is not None:
                 parts.append(f"{k}={getattr(v, 'dtype', '?')}{list(getattr(v, 'shape', ()))}")
         return f"Batch({', '.join(parts)})"
 
     # -- pytree ------------------------------------------------------------------------------
     def _tree_flatten_with_keys(self):
-        keys = tuple(self._fields)
-        children = [(jax.tree_util.GetAttrKey(k), self._fields[k]) for k in keys]
-        return children, keys
+        children = [(jax.tree_util.GetAttrKey(k), getattr(self, k)) for k in FIELDS]
+        children += [(jax.tree_util.DictKey(k), v) for k, v in self.extra.items()]
+        return children, tuple(self.extra)
 
     @classmethod
-    def _tree_unflatten(cls, keys, children) -> Batch:
+    def _tree_unflatten(cls, extra_keys, children) -> Batch:
         obj = object.__new__(cls)
-        object.__setattr__(obj, "_fields", dict(zip(keys, children, strict=True)))
+        n = len(FIELDS)
+        for k, v in zip(FIELDS, children[:n], strict=True):
+            object.__setattr__(obj, k, v)
+        object.__setattr__(obj, "extra", dict(zip(extra_keys, children[n:], strict=True)))
         return obj
 
 
@@ -194,7 +253,7 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _check_shapes(fields: Mapping[str, Any]) -> None:
+def _check_shapes(fields: Mapping[str, Any], extras: Mapping[str, Any]) -> None:
     am = fields["action_mask"]
     if am.ndim != 2:
         raise ValueError(f"Batch field 'action_mask' must be rank 2 [B, T], got shape {am.shape}")
@@ -215,29 +274,59 @@ def _check_shapes(fields: Mapping[str, Any]) -> None:
         v = fields[name]
         if v is not None and tuple(v.shape) != ():
             raise ValueError(f"Batch field '{name}' must be a 0-d array, got shape {v.shape}")
-    for name, v in fields.items():
-        if name in CORE_FIELDS or v is None:
-            continue
-        if v.ndim >= 1 and v.shape[0] != bt[0]:
+    for name, v in extras.items():
+        if v is not None and v.ndim >= 1 and v.shape[0] != bt[0]:
             raise ValueError(
                 f"Batch extra field '{name}' has leading dimension {v.shape[0]}, expected B={bt[0]}"
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class Twin:
+    """The built-in server kernel that computes a term exactly (what `builtin_twin` returns).
+
+    A runner runs the term on the server by folding the term's reduction weights into per-token
+    advantages and calling ``forward_backward(datums, kernel, config)`` (see `builtin_twin`).
+
+    Attributes:
+      kernel: the kernel name (Fireworks/Tinker ``loss_fn``).
+      config: its ``loss_fn_config`` (JSON-ready values).
+      all_targets_actions: the kernel is exact only when every target of the datums is an
+        action token (``dro``: its quadratic applies at every target position). A runner checks
+        that on the data.
+      provenance: ``"documented"``, ``"inferred"`` (from the cookbook's client twins) or
+        ``"undocumented"`` — where the kernel's formula comes from.
+    """
+
+    kernel: str
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    all_targets_actions: bool = False
+    provenance: str = "documented"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Term:
-    """A loss term: ``term(logprobs, batch) -> (loss, metrics)``.
+    """A loss term: ``term(logprobs, batch) -> (loss, metrics)``, carrying its capabilities.
 
     Attributes:
       name: default name used by `fold` to namespace metrics.
       fn: the pure function.
-      kind: which constructor built it (``"grpo"``, ``"echo_env"``, ``"fold"``, ...); runners use
-        it with ``config`` to decide whether a server kernel expresses the term exactly.
-      config: the validated hyperparameters (read-only).
+      kind: which constructor built it (``"grpo"``, ``"echo_env"``, ``"fold"``, ...).
+      config: the validated hyperparameters (read-only); ``getattr(losses, kind)(**config)``
+        rebuilds the term.
       parts: for a fold, its ``(name, term)`` pairs.
       is_zero: the term's value is identically 0 for every input (e.g. ``echo_env(coef=0)``);
         `fold` then reports its metrics but leaves it out of the sum, so the fold equals the
         other terms bit for bit, and runners may skip it.
+      reads: the batch fields whose values can change the term's value, gradient or metrics
+        (``None``: not declared, e.g. a custom term).
+      requires: the fields that must be present (not ``None``); calling the term on a batch
+        without one raises ``ValueError`` naming the term and the field.
+      twin: the exact built-in kernel (`Twin`), or ``None`` (run it as a client loss).
+      data_weights: for a term whose gradient is a fixed per-token weight computed from the
+        data alone (``L = Σ w·(-logp)``: ECHO, SFT and weighted cross-entropy), the function
+        ``batch -> w[B, T]``; a runner can then run it as a server ``cross_entropy`` pass.
+        ``None`` otherwise.
     """
 
     name: str
@@ -246,13 +335,57 @@ class Term:
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     parts: tuple[tuple[str, Any], ...] = ()
     is_zero: bool = False
+    reads: frozenset[str] | None = None
+    requires: frozenset[str] = frozenset()
+    twin: Twin | None = None
+    data_weights: Callable[[Batch], Array] | None = None
+
+    def __post_init__(self) -> None:
+        for attr in ("reads", "requires"):
+            names = getattr(self, attr)
+            if names is None:
+                continue
+            object.__setattr__(self, attr, frozenset(names))
+        if self.reads is not None:
+            missing = sorted(set(self.requires) - set(self.reads))
+            if missing:
+                raise ValueError(f"Term {self.name!r}: requires {missing} but does not read them")
 
     def __call__(self, logprobs: Any, batch: Batch) -> tuple[Array, Metrics]:
+        check_fields(self, batch)
         return self.fn(logprobs, batch)
 
     def __repr__(self) -> str:
         cfg = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
         return f"{self.kind}({cfg})"
+
+
+def _label(term: Any) -> str:
+    kind = getattr(term, "kind", "custom")
+    return kind if kind not in ("custom", "fold") else getattr(term, "name", kind)
+
+
+def check_fields(term: Any, batch: Any) -> None:
+    """Raises ``ValueError`` naming the term and the field when ``batch`` lacks a field that
+    ``term.requires``, or when ``batch`` is not a `Batch`."""
+    if not isinstance(batch, Batch):
+        raise ValueError(
+            f"{_label(term)}: batch must be a losses.Batch, got {type(batch).__name__}"
+        )
+    for field in sorted(getattr(term, "requires", ())):
+        if batch.get(field) is None:
+            raise ValueError(f"{_label(term)} needs batch field '{field}', which is None")
+
+
+def reduction_reads(reduction: str, which: str) -> frozenset[str]:
+    """The batch fields a reduction over the ``"action"`` or ``"obs"`` mask reads."""
+    mask = "action_mask" if which == "action" else "obs_mask"
+    if reduction == "token_sum":
+        return frozenset({mask})
+    if reduction == "token_mean":
+        return frozenset({mask, f"num_{which}_tokens"})
+    # seq-mean reductions: N counts rows with an action or observation token.
+    return frozenset({mask, "num_rows", "action_mask", "obs_mask"})
 
 
 def check_logprobs_shape(logprobs: Any, batch: Batch) -> Array:
@@ -272,3 +405,10 @@ def require(batch: Batch, field: str, term: str) -> Any:
     if value is None:
         raise ValueError(f"{term} needs batch field '{field}', which is None")
     return value
+
+
+def count(x: Any) -> Array:
+    """``Σ x`` accumulated in at least float32 (a float16 mask over > 65504 tokens would
+    overflow its own dtype)."""
+    x = jnp.asarray(x)
+    return jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))

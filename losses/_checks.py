@@ -1,15 +1,25 @@
-"""Host-side value validation of a `Batch` (never inside jitted code)."""
+"""Value validation of a `Batch`: the host check that names the entry, and its in-graph count.
+
+One set of rules (DESIGN.md §6), in two forms that must agree:
+
+* `check_batch` — on the host (numpy), raises ``ValueError`` naming field, row, column and rule;
+* `count_violations` — jittable: the number of entries that break a rule, computed from the
+  same arrays inside the caller's jitted function (fused with the loss, no extra pass over host
+  memory). A runner calls it in its jitted step and, only when the count is non-zero, runs
+  `check_batch` on the host to say where.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
-from losses._batch import Batch
+from losses._batch import LOGPROB_FIELDS, MASK_FIELDS, NORMALIZER_FIELDS, Batch
 
-_MASKS = ("action_mask", "obs_mask")
-_LOGPROB_FIELDS = ("sampling_logprobs", "old_logprobs", "ref_logprobs")
+#: Largest log-probability accepted (float32 log-softmax may round a hair above 0).
+MAX_LOGPROB = 1e-4
 
 
 def _first(bad: np.ndarray) -> tuple[int, ...]:
@@ -22,23 +32,43 @@ def _at(idx: tuple[int, ...]) -> str:
     return f"row {idx[0]}"
 
 
-def check_batch(batch: Batch, logprobs: Any = None) -> None:
+def _finite_in(values: np.ndarray, dtype: Any) -> np.ndarray:
+    """Finite, and representable (not overflowing) in ``dtype`` (None = the array's own)."""
+    ok = np.isfinite(values)
+    if dtype is not None and np.dtype(dtype).kind == "f":
+        big = float(np.finfo(dtype).max)
+        if np.finfo(values.dtype).max > big:
+            with np.errstate(invalid="ignore"):
+                ok &= np.abs(values) <= big
+    return ok
+
+
+def _what(name: str, value: float, dtype: Any) -> str:
+    if np.isfinite(value) and dtype is not None:
+        return f"overflows {np.dtype(dtype).name} (its largest value is {float(np.finfo(dtype).max):g})"
+    return "must be finite"
+
+
+def check_batch(batch: Batch, logprobs: Any = None, *, dtype: Any = None) -> None:
     """Validates a batch's values on the host; raises ``ValueError`` naming field, row and column.
 
-    Rules (DESIGN.md §6):
+    Rules (DESIGN.md §6), the same as `count_violations`:
 
     * ``action_mask`` and ``obs_mask`` hold only 0 and 1, and never overlap;
-    * ``logprobs`` (if given) and ``sampling/old/ref_logprobs`` are finite and ≤ 0 on the tokens
-      their terms read (action or observation tokens for ``logprobs``; action tokens for the
-      anchors);
+    * ``logprobs`` (if given) and ``sampling/old/ref_logprobs`` are finite and ``≤ 0`` (up to
+      `MAX_LOGPROB`) on the tokens their terms read (action or observation tokens for
+      ``logprobs``; action tokens for the anchors);
     * ``advantages`` are finite on action tokens;
     * ``weights`` are finite everywhere;
     * the carried normalizers are finite and ≥ 0;
+    * with ``dtype`` (e.g. float32, the dtype a runner computes in), every checked value must
+      also be representable in it: a float64 ``1e39`` would become ``inf``;
     * ``logprobs`` has the batch's ``[B, T]`` shape.
 
     Args:
       batch: the `Batch` (shapes were checked at construction).
       logprobs: optional float[B, T] current-policy logprobs.
+      dtype: the float dtype the values will be computed in; ``None`` = their own.
 
     Returns:
       None; the batch is valid when no error is raised.
@@ -49,7 +79,7 @@ def check_batch(batch: Batch, logprobs: Any = None) -> None:
     am = np.asarray(batch.action_mask)
     bt = am.shape
     masks = {}
-    for name in _MASKS:
+    for name in MASK_FIELDS:
         value = batch.get(name)
         if value is None:
             continue
@@ -72,29 +102,29 @@ def check_batch(batch: Batch, logprobs: Any = None) -> None:
         lp = np.asarray(logprobs)
         if lp.shape != bt:
             raise ValueError(f"logprobs has shape {lp.shape}, expected {bt} like action_mask")
-        _check_logprob_values("logprobs", lp, action | obs)
-    for name in _LOGPROB_FIELDS:
+        _check_logprob_values("logprobs", lp, action | obs, dtype)
+    for name in LOGPROB_FIELDS:
         value = batch.get(name)
         if value is not None:
-            _check_logprob_values(name, np.asarray(value), action)
+            _check_logprob_values(name, np.asarray(value), action, dtype)
     adv = batch.get("advantages")
     if adv is not None:
         a = np.asarray(adv)
         where = action if a.ndim == 2 else action.any(axis=1)
-        bad = where & ~np.isfinite(a)
+        bad = where & ~_finite_in(a, dtype)
         if bad.any():
             idx = _first(bad)
-            raise ValueError(
-                f"advantages[{_at(idx)}] = {float(a[idx]):g}: advantages must be finite"
-            )
+            v = float(a[idx])
+            raise ValueError(f"advantages[{_at(idx)}] = {v:g}: advantages {_what('a', v, dtype)}")
     weights = batch.get("weights")
     if weights is not None:
         w = np.asarray(weights)
-        bad = ~np.isfinite(w)
+        bad = ~_finite_in(w, dtype)
         if bad.any():
             idx = _first(bad)
-            raise ValueError(f"weights[{_at(idx)}] = {float(w[idx]):g}: weights must be finite")
-    for name in ("num_rows", "num_action_tokens", "num_obs_tokens"):
+            v = float(w[idx])
+            raise ValueError(f"weights[{_at(idx)}] = {v:g}: weights {_what('w', v, dtype)}")
+    for name in NORMALIZER_FIELDS:
         value = batch.get(name)
         if value is not None:
             v = float(np.asarray(value))
@@ -102,17 +132,64 @@ def check_batch(batch: Batch, logprobs: Any = None) -> None:
                 raise ValueError(f"{name} = {v!r}: normalizers must be finite and >= 0")
 
 
-def _check_logprob_values(name: str, values: np.ndarray, where: np.ndarray) -> None:
-    bad = where & ~np.isfinite(values)
+def _check_logprob_values(name: str, values: np.ndarray, where: np.ndarray, dtype: Any) -> None:
+    bad = where & ~_finite_in(values, dtype)
     if bad.any():
         idx = _first(bad)
-        raise ValueError(
-            f"{name}[{_at(idx)}] = {float(values[idx]):g} on an unmasked token: logprobs must be finite"
+        v = float(values[idx])
+        rule = (
+            "logprobs must be finite"
+            if not np.isfinite(v) or dtype is None
+            else f"logprobs {_what(name, v, dtype)}"
         )
-    bad = where & (values > 0)
+        raise ValueError(f"{name}[{_at(idx)}] = {v:g} on an unmasked token: {rule}")
+    with np.errstate(invalid="ignore"):
+        bad = where & (values > MAX_LOGPROB)
     if bad.any():
         idx = _first(bad)
         raise ValueError(
             f"{name}[{_at(idx)}] = {float(values[idx]):g} > 0 on an unmasked token: log-probabilities "
             "must be <= 0"
         )
+
+
+def count_violations(batch: Batch, logprobs: Any = None) -> Any:
+    """The number of entries that break a `check_batch` rule; jittable, int32 scalar.
+
+    The same rules as `check_batch` on the batch's own dtype (a value that overflowed in a cast
+    is ``inf`` here, and so counted). Carried normalizers are host floats and are checked by
+    `check_batch`, not here. Each rule is one elementwise predicate; they are or-ed and summed
+    in one reduction, so inside a jitted loss this costs one fused pass.
+
+    Args:
+      batch: a `Batch` (possibly of tracers).
+      logprobs: optional float[B, T] current-policy logprobs.
+
+    Returns:
+      int32[] count of bad entries (0 = valid).
+    """
+    am = batch.action_mask
+    action = am > 0
+    bad = (am != 0) & (am != 1)
+    obs = None
+    if batch.obs_mask is not None:
+        om = batch.obs_mask
+        obs = om > 0
+        bad = bad | ((om != 0) & (om != 1)) | (action & obs)
+    read = action if obs is None else action | obs
+    if logprobs is not None:
+        lp = jnp.asarray(logprobs)
+        bad = bad | (read & ~(jnp.isfinite(lp) & (lp <= MAX_LOGPROB)))
+    for name in LOGPROB_FIELDS:
+        value = batch.get(name)
+        if value is not None:
+            bad = bad | (action & ~(jnp.isfinite(value) & (value <= MAX_LOGPROB)))
+    adv = batch.advantages
+    if adv is not None:
+        if adv.ndim == 2:
+            bad = bad | (action & ~jnp.isfinite(adv))
+        else:
+            bad = bad | (action & ~jnp.isfinite(adv)[:, None])
+    if batch.weights is not None:
+        bad = bad | ~jnp.isfinite(batch.weights)
+    return jnp.sum(bad, dtype=jnp.int32)

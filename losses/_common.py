@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from losses._batch import Batch
+from losses._batch import Batch, count
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -69,7 +69,7 @@ def masked_mean(x_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
     """``Σ x·m / max(Σ m, 1)``, stop-gradiented (a metric)."""
     x = jax.lax.stop_gradient(x_BT)
     m = mask_BT.astype(x.dtype)
-    return jnp.sum(jnp.where(mask_BT > 0, x * m, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
+    return jnp.sum(jnp.where(mask_BT > 0, x * m, 0.0)) / jnp.maximum(count(m), 1.0)
 
 
 def check_number(where: str, name: str, value, *, low=None, high=None, low_open=False) -> float:

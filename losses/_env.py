@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from losses._batch import Batch, Term, check_logprobs_shape
+from losses._batch import Batch, Term, check_logprobs_shape, count, reduction_reads
 from losses._common import check_choice, check_number, masked_mean, safe
 from losses._reductions import mask_total, num_rows
 
@@ -35,7 +35,7 @@ def echo_env_weights(batch: Batch, *, coef: float, normalization: str) -> jax.Ar
         return coef * obs
     if normalization == "token_mean":
         return coef * obs / jnp.maximum(mask_total(batch, "obs"), 1.0)
-    count_B1 = jnp.sum(obs, axis=1, keepdims=True)
+    count_B1 = jnp.sum(obs, axis=1, keepdims=True, dtype=jnp.promote_types(obs.dtype, jnp.float32))
     n = jnp.maximum(num_rows(batch), 1.0)
     return coef * obs / (n * jnp.maximum(count_B1, 1.0))
 
@@ -89,13 +89,24 @@ def echo_env(*, coef: float = 0.05, normalization: str = "seq_mean_token_mean") 
         metrics = {
             "loss": jax.lax.stop_gradient(loss),
             "nll": masked_mean(nll, valid),
-            "num_obs_tokens": jnp.sum(valid.astype(lp.dtype)),
-            "rows_with_obs": jnp.sum(jnp.any(valid, axis=1).astype(lp.dtype)),
+            "num_obs_tokens": count(valid.astype(lp.dtype)),
+            "rows_with_obs": count(jnp.any(valid, axis=1).astype(lp.dtype)),
             "coef": jnp.asarray(coef, lp.dtype),
         }
         return loss, metrics
 
-    return Term(name="echo_env", fn=loss_fn, kind="echo_env", config=config, is_zero=coef == 0.0)
+    def data_weights(batch: Batch) -> jax.Array:
+        return echo_env_weights(batch, coef=coef, normalization=normalization)
+
+    return Term(
+        name="echo_env",
+        fn=loss_fn,
+        kind="echo_env",
+        config=config,
+        is_zero=coef == 0.0,
+        reads=frozenset({"obs_mask"}) | reduction_reads(normalization, "obs"),
+        data_weights=data_weights,
+    )
 
 
 def observation_mask(

@@ -85,6 +85,7 @@ def fold(*terms: Any) -> Term:
         metrics["loss"] = jax.lax.stop_gradient(total)
         return total, metrics
 
+    declared = [getattr(t, "reads", None) for _, t in frozen]
     return Term(
         name="fold",
         fn=loss_fn,
@@ -92,4 +93,7 @@ def fold(*terms: Any) -> Term:
         config={"terms": tuple(n for n, _ in frozen)},
         parts=frozen,
         is_zero=all(getattr(t, "is_zero", False) for _, t in frozen),
+        # A fold reads what its parts read (undeclared if any part is undeclared); each part
+        # checks its own required fields when called.
+        reads=None if any(r is None for r in declared) else frozenset().union(*declared),
     )

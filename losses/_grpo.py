@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from losses._batch import Term
 from losses._common import KL_ESTIMATORS, check_choice, check_number, ppo_clip_terms
 from losses._correction import as_correction
-from losses._policy import policy_term
+from losses._policy import policy_term, ppo_or_dapo_twin
 from losses._reductions import validate_reduction
 
 
@@ -122,4 +122,5 @@ def grpo(
         correction=corr,
         kl_coef=kl_coef,
         kl_estimator=kl_estimator,
+        twin=ppo_or_dapo_twin(lo, hi, dual_clip),
     )

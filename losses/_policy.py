@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from losses._batch import Batch, Term, check_logprobs_shape, require
+from losses._batch import Batch, Term, Twin, check_logprobs_shape, count, reduction_reads, require
 from losses._common import (
     KL_ESTIMATORS,
     check_choice,
@@ -43,6 +43,10 @@ from losses._reductions import term_weights, validate_reduction
 PerToken = Callable[..., tuple[jax.Array, dict]]
 
 DIVERGENCES = ("binary_tv", "binary_kl")
+#: The ``max_log_ratio`` the built-in twins assume: the cookbook clients' ``ratio_log_cap``
+#: default. The ``ppo``/``importance_sampling`` kernels take no cap; a clamp at 20 binds only
+#: beyond e^±20.
+TWIN_MAX_LOG_RATIO = 20.0
 #: Fireworks ``dppo`` default thresholds per divergence.
 DEFAULT_DPPO_THRESHOLD = {"binary_tv": 0.15, "binary_kl": 0.05}
 
@@ -59,6 +63,7 @@ def policy_term(
     correction: Any = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    twin: Twin | None = None,
 ) -> Term:
     """Builds a policy `Term` from a per-token loss; shared by the whole policy family.
 
@@ -84,6 +89,11 @@ def policy_term(
       correction: ``None``, a `losses.mismatch_correction` or a mapping of its keywords.
       kl_coef: β ≥ 0 of a KL penalty to ``ref_logprobs`` (not corrected); 0 = off.
       kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+      twin: the built-in kernel that computes the term exactly when no correction and no KL is
+        on and ``max_log_ratio`` is the kernels' 20 (`losses.builtin_twin`); dropped otherwise.
+
+    The term reads ``action_mask``, ``advantages``, ``old_logprobs``, ``ref_logprobs`` (with
+    KL), ``sampling_logprobs`` (with a correction) and the reduction's normalizers (`Term.reads`).
 
     Returns:
       A `Term`. Metrics: ``loss``, ``ratio_mean``, ``ratio_max``, ``adv_mean``, ``num_tokens``,
@@ -98,6 +108,15 @@ def policy_term(
     if max_log_ratio is not None:
         cfg.setdefault("max_log_ratio", max_log_ratio)
     cfg.setdefault("correction", None if corr is None else corr.as_config())
+    requires = {"action_mask", "advantages", "old_logprobs"}
+    if kl_coef > 0.0:
+        requires.add("ref_logprobs")
+    if corr is not None:
+        requires.add("sampling_logprobs")
+    reads = frozenset(requires) | reduction_reads(reduction, "action")
+    exact_ratio = max_log_ratio is None or max_log_ratio == TWIN_MAX_LOG_RATIO
+    if corr is not None or kl_coef > 0.0 or not exact_ratio:
+        twin = None
 
     def loss_fn(logprobs, batch: Batch):
         lp = check_logprobs_shape(logprobs, batch)
@@ -140,7 +159,7 @@ def policy_term(
                 "ratio_mean": masked_mean(ratio, valid),
                 "ratio_max": jnp.max(jnp.where(valid, ratio, 0.0)),
                 "adv_mean": masked_mean(adv, valid),
-                "num_tokens": jnp.sum(valid.astype(lp.dtype)),
+                "num_tokens": count(valid.astype(lp.dtype)),
             }
         )
         for key, value in extra.items():
@@ -148,7 +167,15 @@ def policy_term(
             metrics[key] = masked_mean(value, valid) if value.ndim == 2 else value
         return loss, metrics
 
-    return Term(name=name, fn=loss_fn, kind=kind, config=cfg)
+    return Term(
+        name=name,
+        fn=loss_fn,
+        kind=kind,
+        config=cfg,
+        reads=reads,
+        requires=frozenset(requires),
+        twin=twin,
+    )
 
 
 # -- shared validation --------------------------------------------------------------------------
@@ -196,6 +223,14 @@ def _kl_args(where, kl_coef, kl_estimator):
     return kl_coef
 
 
+def ppo_or_dapo_twin(lo: float, hi: float, dual_clip: float | None) -> Twin:
+    """``ppo`` with absolute thresholds, or the inferred ``dapo`` kernel with a dual clip."""
+    thresholds = {"clip_low_threshold": float(lo), "clip_high_threshold": float(hi)}
+    if dual_clip is None:
+        return Twin("ppo", thresholds)
+    return Twin("dapo", {**thresholds, "eps_clip_c": float(dual_clip)}, provenance="inferred")
+
+
 def _frac(mask_BT, dtype):
     return mask_BT.astype(dtype)
 
@@ -240,6 +275,7 @@ def importance_sampling(
         max_log_ratio=mlr,
         config={},
         correction=correction,
+        twin=Twin("importance_sampling", {}),
     )
 
 
@@ -304,6 +340,7 @@ def ppo(
         max_log_ratio=mlr,
         config=dict(clip_low_threshold=lo, clip_high_threshold=hi),
         correction=correction,
+        twin=Twin("ppo", dict(clip_low_threshold=lo, clip_high_threshold=hi)),
     )
 
 
@@ -384,6 +421,7 @@ def dapo(
         max_log_ratio=mlr,
         config=dict(clip_low_threshold=lo, clip_high_threshold=hi, eps_clip_c=c),
         correction=correction,
+        twin=ppo_or_dapo_twin(lo, hi, c),
     )
 
 
@@ -449,6 +487,7 @@ def cispo(
         max_log_ratio=mlr,
         config=dict(clip_low_threshold=lo, clip_high_threshold=hi),
         correction=correction,
+        twin=Twin("cispo", dict(clip_low_threshold=lo, clip_high_threshold=hi)),
     )
 
 
@@ -497,6 +536,10 @@ def dro(
         max_log_ratio=None,
         config=dict(beta=b),
         correction=correction,
+        # Not homogeneous in A: folding a mean reduction into A does not scale the quadratic.
+        twin=Twin("dro", {"beta": b}, all_targets_actions=True)
+        if reduction == "token_sum"
+        else None,
     )
 
 
@@ -581,6 +624,7 @@ def dppo(
         max_log_ratio=mlr,
         config=dict(divergence=divergence, threshold=delta),
         correction=correction,
+        twin=Twin("dppo", {"divergence": divergence, "threshold": delta}, provenance="inferred"),
     )
 
 
@@ -650,6 +694,11 @@ def reinforce(
         correction=correction,
         kl_coef=kl_coef,
         kl_estimator=kl_estimator,
+        # The Fireworks ``reinforce`` kernel (undocumented; the cookbook's client twin uses the
+        # unclipped ratio to the datum's logprobs): exact for the ratio-weighted form.
+        twin=Twin("reinforce", {}, provenance="undocumented")
+        if ratio_weight and cap is None
+        else None,
     )
 
 

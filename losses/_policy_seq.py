@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from losses._batch import Term
+from losses._batch import Term, Twin
 from losses._common import check_number, ppo_clip_terms
 from losses._policy import _common_args, policy_term, ratio_bounds
 
@@ -23,7 +23,7 @@ GSPO_DEFAULT_OFFSETS = (3e-4, 4e-4)
 
 def _row_mean(x_BT: jax.Array, m_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(Σ_t m·x / max(N_i, 1), N_i)`` per row, both float[B, 1]."""
-    n = jnp.sum(m_BT, axis=1, keepdims=True)
+    n = jnp.sum(m_BT, axis=1, keepdims=True, dtype=jnp.promote_types(m_BT.dtype, jnp.float32))
     return jnp.sum(x_BT * m_BT, axis=1, keepdims=True) / jnp.maximum(n, 1.0), n
 
 
@@ -123,6 +123,11 @@ def gspo(
         max_log_ratio=mlr,
         config=dict(clip_low_threshold=lo, clip_high_threshold=hi, seq_ratio_log_cap=cap),
         correction=correction,
+        twin=Twin(
+            "gspo",
+            {"clip_low_threshold": lo, "clip_high_threshold": hi, "seq_ratio_log_cap": cap},
+            provenance="inferred",
+        ),
     )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from losses._batch import Batch
+from losses._batch import Batch, count
 
 REDUCTIONS = (
     "token_mean",
@@ -71,7 +71,7 @@ def active_rows(batch: Batch) -> jax.Array:
     mask = batch.action_mask > 0
     if batch.obs_mask is not None:
         mask = mask | (batch.obs_mask > 0)
-    return jnp.any(mask, axis=1).astype(jnp.result_type(batch.action_mask.dtype, jnp.float32))
+    return jnp.any(mask, axis=1).astype(jnp.promote_types(batch.action_mask.dtype, jnp.float32))
 
 
 def num_rows(batch: Batch) -> jax.Array:
@@ -92,8 +92,8 @@ def mask_total(batch: Batch, which: str) -> jax.Array:
     if carried is not None:
         return jnp.asarray(carried)
     if mask is None:
-        return jnp.zeros((), batch.action_mask.dtype)
-    return jnp.sum(mask)
+        return jnp.zeros((), jnp.promote_types(batch.action_mask.dtype, jnp.float32))
+    return count(mask)
 
 
 def reduction_weights(
@@ -125,7 +125,7 @@ def reduction_weights(
     if reduction == "seq_mean_token_sum":
         return m / n
     if reduction == "seq_mean_token_mean":
-        row_len = jnp.sum(m, axis=1, keepdims=True)
+        row_len = jnp.sum(m, axis=1, keepdims=True, dtype=jnp.promote_types(m.dtype, jnp.float32))
         return m / (n * jnp.maximum(row_len, 1.0))
     if reduction == "seq_mean_token_sum_norm":
         return m / (n * float(max_tokens))  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from losses._batch import Batch, Term, check_logprobs_shape, require
+from losses._batch import Batch, Term, check_logprobs_shape, count, reduction_reads, require
 from losses._common import masked_mean, safe
 from losses._reductions import term_weights, validate_reduction
 
@@ -43,15 +43,21 @@ def sft_cross_entropy(*, reduction: str = "token_mean", max_tokens: float | None
         metrics = {
             "loss": jax.lax.stop_gradient(loss),
             "nll": masked_mean(nll, valid),
-            "num_tokens": jnp.sum(valid.astype(lp.dtype)),
+            "num_tokens": count(valid.astype(lp.dtype)),
         }
         return loss, metrics
+
+    def data_weights(batch: Batch) -> jax.Array:
+        return term_weights(batch, "action", reduction, max_tokens)
 
     return Term(
         name="sft",
         fn=loss_fn,
         kind="sft_cross_entropy",
         config=dict(reduction=reduction, max_tokens=max_tokens),
+        reads=reduction_reads(reduction, "action"),
+        requires=frozenset({"action_mask"}),
+        data_weights=data_weights,
     )
 
 
@@ -82,10 +88,22 @@ def weighted_cross_entropy() -> Term:
         loss = jnp.sum(safe(w, nonzero) * -safe(lp, nonzero))
         metrics = {
             "loss": jax.lax.stop_gradient(loss),
-            "num_weighted_tokens": jnp.sum(nonzero.astype(lp.dtype)),
+            "num_weighted_tokens": count(nonzero.astype(lp.dtype)),
             "weight_sum": jnp.sum(safe(w, nonzero)),
             "nll": masked_mean(-safe(lp, nonzero), nonzero),
         }
         return loss, metrics
 
-    return Term(name="weighted_ce", fn=loss_fn, kind="weighted_cross_entropy", config={})
+    def data_weights(batch: Batch) -> jax.Array:
+        return require(batch, "weights", where)
+
+    return Term(
+        name="weighted_ce",
+        fn=loss_fn,
+        kind="weighted_cross_entropy",
+        config={},
+        reads=frozenset({"weights"}),
+        requires=frozenset({"weights"}),
+        twin=None,
+        data_weights=data_weights,
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from losses._batch import CORE_FIELDS, NORMALIZER_FIELDS, Batch
+from losses._batch import FIELDS, NORMALIZER_FIELDS, Batch
 from losses._reductions import mask_total, num_rows
 
 
@@ -56,13 +56,13 @@ def split_batch(batch: Batch, num_microbatches: int) -> list[Batch]:
     out = []
     for sl in row_slices(b, num_microbatches):
         fields = {}
-        for name, value in full.fields.items():
-            if value is None or name in NORMALIZER_FIELDS:
-                fields[name] = value
-            elif name in CORE_FIELDS or getattr(value, "ndim", 0) >= 1:
-                fields[name] = value[sl]
-            else:
-                fields[name] = value
+        for name in FIELDS:
+            value = getattr(full, name)
+            fields[name] = value if value is None or name in NORMALIZER_FIELDS else value[sl]
+        fields["extra"] = {
+            name: value[sl] if getattr(value, "ndim", 0) >= 1 else value
+            for name, value in full.extra.items()
+        }
         out.append(Batch(**fields))
     return out
 

@@ -4,17 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-#: The ``max_log_ratio`` the twins assume: the cookbook clients' ``ratio_log_cap`` default. The
-#: ``ppo``/``importance_sampling`` kernels take no cap; a clamp at 20 binds only beyond e^±20.
-_TWIN_MAX_LOG_RATIO = 20.0
-_HOMOGENEOUS = ("importance_sampling", "ppo", "cispo", "dapo", "gspo", "dppo", "grpo")
-
-
-def _thresholds(cfg) -> dict[str, float]:
-    return {
-        "clip_low_threshold": float(cfg["clip_low_threshold"]),
-        "clip_high_threshold": float(cfg["clip_high_threshold"]),
-    }
+from losses._batch import Twin
 
 
 def builtin_twin(term: Any) -> tuple[str, dict[str, Any]] | None:
@@ -28,8 +18,8 @@ def builtin_twin(term: Any) -> tuple[str, dict[str, Any]] | None:
     loss is positively homogeneous in ``A`` — true of ``importance_sampling``, ``ppo``,
     ``cispo``, ``dapo``, ``gspo``, ``dppo`` and ``grpo`` without KL, for every reduction. The
     config's keys are the terms' own keyword names, so ``getattr(losses, name)(reduction=
-    "token_sum", **config)`` rebuilds the kernel as a term. The function is pure and reads only
-    ``term.kind`` and ``term.config``.
+    "token_sum", **config)`` rebuilds the kernel as a term. Each constructor decides its twin
+    and attaches it to the term (`Term.twin`, a `losses.Twin`); this function only reads it.
 
     ==========================  ===================================================  =========
     term                        twin                                                 formula
@@ -42,6 +32,7 @@ def builtin_twin(term: Any) -> tuple[str, dict[str, Any]] | None:
     ``dapo`` with ``c``         ``("dapo", {thresholds, eps_clip_c})``               inferred
     ``gspo``                    ``("gspo", {thresholds, seq_ratio_log_cap})``        inferred
     ``dppo``                    ``("dppo", {divergence, threshold})``                inferred
+    ``reinforce(ratio_weight)``  ``("reinforce", {})``                                undocumented
     ``grpo`` (ε_lo, ε_hi)       ``("ppo", {1-ε_lo, 1+ε_hi})``; with ``dual_clip=c``
                                 ``("dapo", {1-ε_lo, 1+ε_hi, eps_clip_c: c})``
     ==========================  ===================================================  =========
@@ -55,15 +46,17 @@ def builtin_twin(term: Any) -> tuple[str, dict[str, Any]] | None:
       ``A``, so folding is not exact. Even with ``token_sum`` the kernel applies the quadratic at
       every target position, so it matches only when every target of the datums is an action
       token (a runner must check that on the data);
-    * ``reinforce`` (the Fireworks ``reinforce`` kernel is undocumented), ``gmpo``, ``sapo``
-      (no kernel), folds (flatten them and ask per part) and custom terms.
+    * ``reinforce`` without ``ratio_weight=True`` or with a ``ratio_cap`` (the Fireworks
+      ``reinforce`` kernel is undocumented; its cookbook client twin weights by the unclipped
+      ratio, so only ``reinforce(ratio_weight=True)`` maps to ``("reinforce", {})``), ``gmpo``,
+      ``sapo`` (no kernel), folds (flatten them and ask per part) and custom terms.
 
     For the *inferred* kernels (``dapo``, ``gspo``, ``dppo``) the formula comes from the
     cookbook's client twins; in particular the mask of the ``gspo`` kernel's sequence mean is not
     documented (we assume the datum's action tokens, i.e. the non-zero folded advantages).
 
     Args:
-      term: a `Term` (anything with ``kind`` and ``config``).
+      term: a `Term` (anything else, e.g. a plain function, has no twin).
 
     Returns:
       ``(loss_fn, loss_fn_config)`` with a fresh, JSON-serializable dict, or ``None``.
@@ -75,36 +68,7 @@ def builtin_twin(term: Any) -> tuple[str, dict[str, Any]] | None:
       >>> losses.builtin_twin(losses.grpo(kl_coef=0.01)) is None
       True
     """
-    kind = getattr(term, "kind", None)
-    cfg = getattr(term, "config", None)
-    if not isinstance(kind, str) or cfg is None:
+    twin = getattr(term, "twin", None)
+    if not isinstance(twin, Twin):
         return None
-    if cfg.get("correction") is not None or float(cfg.get("kl_coef", 0.0) or 0.0) > 0.0:
-        return None
-    if kind in _HOMOGENEOUS and cfg.get("max_log_ratio") != _TWIN_MAX_LOG_RATIO:
-        return None
-    if kind == "importance_sampling":
-        return "importance_sampling", {}
-    if kind in ("ppo", "cispo"):
-        return kind, _thresholds(cfg)
-    if kind == "dro":
-        if cfg.get("reduction") != "token_sum":
-            return None
-        return "dro", {"beta": float(cfg["beta"])}
-    if kind == "dapo":
-        if cfg.get("eps_clip_c") is None:
-            return "ppo", _thresholds(cfg)
-        return "dapo", {**_thresholds(cfg), "eps_clip_c": float(cfg["eps_clip_c"])}
-    if kind == "gspo":
-        return "gspo", {**_thresholds(cfg), "seq_ratio_log_cap": float(cfg["seq_ratio_log_cap"])}
-    if kind == "dppo":
-        return "dppo", {"divergence": str(cfg["divergence"]), "threshold": float(cfg["threshold"])}
-    if kind == "grpo":
-        thresholds = {
-            "clip_low_threshold": 1.0 - float(cfg["clip_low"]),
-            "clip_high_threshold": 1.0 + float(cfg["clip_high"]),
-        }
-        if cfg.get("dual_clip") is None:
-            return "ppo", thresholds
-        return "dapo", {**thresholds, "eps_clip_c": float(cfg["dual_clip"])}
-    return None
+    return twin.kernel, dict(twin.config)

@@ -3,6 +3,17 @@
 from runner import env
 from runner._client_loss import ClientLoss, PassCounter
 from runner._padding import normalizers
+from runner._protocols import (
+    Capabilities,
+    Checkpointing,
+    Closing,
+    Finalizing,
+    LoadsWeights,
+    RichCheckpoints,
+    Sampling,
+    capabilities,
+    require,
+)
 from runner._step import MODES, Plan, StepRunner, plan_step
 from runner._types import (
     BUILTIN_LOSSES,
@@ -31,6 +42,15 @@ __all__ = [
     "Sample",
     "Seq",
     "Trainer",
+    "Capabilities",
+    "Checkpointing",
+    "Closing",
+    "Finalizing",
+    "LoadsWeights",
+    "RichCheckpoints",
+    "Sampling",
+    "capabilities",
+    "require",
     "make_seq",
     "validate_seqs",
     "env",

@@ -28,13 +28,16 @@ import numpy as np
 import losses
 from runner._padding import (
     DEFAULT_LENGTH_BUCKETS,
+    CheckedSeqs,
+    RaggedArrays,
     aligned_zeros,
     batch_field_names,
     bucket,
     row_bucket,
     seqs_to_batch,
 )
-from runner._types import Seq, Trainer, validate_seqs
+from runner._protocols import Trainer
+from runner._types import Seq, validate_seqs
 
 #: XLA:CPU options for the jitted loss. A loss term is a few elementwise maps plus a dozen
 #: scalar reductions (the loss and its metrics). By default XLA:CPU hands each reduction to a
@@ -137,18 +140,29 @@ class ClientLoss:
 
         def value_and_weights(lp_BT, batch):
             # The linear CE pass needs -dL/dlogprobs: negating inside the jit is free (fused).
-            # The loss and metrics come back as one vector (one host transfer, not one each).
+            # The loss, the metrics and the count of invalid entries (the value rules of
+            # `losses.check_batch`, one fused pass) come back as one vector: one host transfer.
             (value, metrics), grad = value_and_grad(lp_BT, batch)
-            packed, treedef = _pack_scalars((value, dict(metrics)))
+            bad = losses.count_violations(batch, lp_BT)
+            packed, treedef = _pack_scalars((value, dict(metrics), bad))
             self._treedefs[_structure(lp_BT, batch)] = treedef
             return packed, -grad
 
-        self._value_and_weights = jax.jit(
-            value_and_weights, compiler_options=_compiler_options(jax.default_backend())
-        )
+        options = _compiler_options(jax.default_backend())
+        self._value_and_weights = jax.jit(value_and_weights, compiler_options=options)
+
+        def value_only(lp_BT, batch):
+            # The builtin path's metrics: the term's value and metrics, no gradient.
+            value, metrics = term(lp_BT, batch)
+            bad = losses.count_violations(batch, lp_BT)
+            packed, treedef = _pack_scalars((value, dict(metrics), bad))
+            self._treedefs[("value", _structure(lp_BT, batch))] = treedef
+            return packed
+
+        self._value_only = jax.jit(value_only, compiler_options=options)
 
     def shapes(self, seqs: Sequence[Seq]) -> tuple[int, int]:
-        """The ``(rows, length)`` bucket the sequences pad to."""
+        """The ``(rows, length)`` bucket the sequences pad to (`runner._padding` rules)."""
         longest = max(s.num_targets for s in seqs)
         return row_bucket(len(seqs)), bucket(longest, self.length_buckets)
 
@@ -184,17 +198,73 @@ class ClientLoss:
         logprobs: Sequence[np.ndarray],
         seqs: Sequence[Seq],
         norms: Mapping[str, float] | None = None,
-    ) -> tuple[float, dict[str, float], list[np.ndarray]]:
+    ) -> tuple[float, dict[str, float], RaggedArrays]:
         """``(loss, metrics, [-dL/dlogprobs per sequence])``: the linear CE pass's ``weights``.
 
         Like `value_and_grads`, but each sequence's ``weights = -dL/dlogprobs`` comes back in the
-        adapter's dtype as a read-only view of one padded output buffer (no per-sequence copy;
-        the buffer lives as long as any view of it). This is what the fused client pass sends.
+        adapter's dtype as a read-only view of one padded output buffer (a `RaggedArrays`: no
+        per-sequence copy; the buffer lives as long as any view of it). This is what the fused
+        client pass sends.
+
+        The values are checked by the rules of `losses.check_batch` inside the same jitted call
+        (`losses.count_violations`, fused with the loss): 0/1 and disjoint masks, logprobs
+        finite and ``≤ 0`` where read, finite advantages and weights, nothing that overflows
+        the adapter's dtype. The sequences' shapes are assumed valid (`runner.validate_seqs`;
+        `__call__` checks them).
 
         With ``norms=None`` the term counts the batch's normalizers itself, inside the jitted
         function (the same definition as `runner.normalizers`); a call with ``norms`` compiles
         separately from one without (one compilation per bucket for each).
+
+        Raises:
+          ValueError: a value breaks a rule (naming sequence, target and rule); nothing is
+            returned for such a batch.
         """
+        (packed, weights), lp_BT, batch, lengths = self._run(
+            self._value_and_weights, logprobs, seqs, norms
+        )
+        weights = np.asarray(weights)  # the host buffer itself on CPU (read-only)
+        value, metrics = self._unpack(self._treedefs[_structure(lp_BT, batch)], packed, seqs,
+                                      logprobs, norms)
+        return value, metrics, RaggedArrays(weights, lengths)
+
+    def value_and_metrics(
+        self,
+        logprobs: Sequence[np.ndarray],
+        seqs: Sequence[Seq],
+        norms: Mapping[str, float] | None = None,
+    ) -> tuple[float, dict[str, float]]:
+        """``(loss, metrics)`` of the term, without its gradient (the builtin path's metrics).
+
+        The same value checks as `value_and_weights`, in its own jitted function (no gradient
+        is computed or transferred).
+        """
+        packed, lp_BT, batch, _ = self._run(self._value_only, logprobs, seqs, norms)
+        treedef = self._treedefs[("value", _structure(lp_BT, batch))]
+        return self._unpack(treedef, packed, seqs, logprobs, norms)
+
+    def check(
+        self,
+        seqs: Sequence[Seq],
+        norms: Mapping[str, float] | None = None,
+        logprobs: Sequence[np.ndarray] | None = None,
+    ) -> None:
+        """The host form of the value rules on ``seqs`` (`losses.check_batch` in float64 with
+        overflow of the adapter's dtype); raises ``ValueError`` naming sequence and target."""
+        rows, length = self.shapes(seqs)
+        kw = {} if logprobs is None else {"logprobs": [np.asarray(lp) for lp in logprobs]}
+        padded = seqs_to_batch(
+            seqs, length=length, rows=rows, norms=norms, dtype=np.float64, **kw
+        )
+        lp_BT, batch = padded if logprobs is not None else (None, padded)
+        try:
+            losses.check_batch(batch, logprobs=lp_BT, dtype=self.dtype)
+        except ValueError as exc:
+            msg = str(exc).replace("[row ", "[sequence ").replace("at row ", "at sequence ")
+            raise ValueError(f"client loss input: {msg.replace(', column ', ', target ')}") from None
+
+    def _run(self, fn, logprobs, seqs, norms):
+        """Pads ``logprobs`` and the fields into reused aligned buffers and runs ``fn``."""
         if len(logprobs) != len(seqs):
             raise ValueError(f"got {len(logprobs)} logprob arrays for {len(seqs)} sequences")
         lengths, arrays = [], []
@@ -207,13 +277,20 @@ class ClientLoss:
             lengths.append(s.num_targets)
             arrays.append(lp)
         rows, length = self.shapes(seqs)
-        names = ("logprobs", *batch_field_names(seqs))
+        # A trainer's padded forward in this very bucket and dtype is the input as it is.
+        given = logprobs.padded if isinstance(logprobs, RaggedArrays) else None
+        reuse_lp = (
+            given is not None
+            and given.shape == (rows, length)
+            and given.dtype == np.dtype(self.dtype)
+        )
+        names = (*(() if reuse_lp else ("logprobs",)), *batch_field_names(seqs))
         key = (rows, length, names)
         # Aligned host buffers are used by XLA:CPU in place (no copy). They are refilled only
         # after the computation that read them has finished (its outputs are on the host), and
         # only their previously filled entries are re-zeroed (``dirty``: per-row filled length).
         bufs, dirty = self._take_buffers(key, len(names))
-        lp_BT, batch = seqs_to_batch(
+        padded = seqs_to_batch(
             seqs,
             length=length,
             rows=rows,
@@ -222,16 +299,23 @@ class ClientLoss:
             out=dict(zip(names, bufs, strict=True)),
             dirty=dict(zip(names, dirty, strict=True)),
             count_in_term=True,  # norms=None: the term counts them, fused into the jit
-            logprobs=arrays,
+            logprobs=None if reuse_lp else arrays,
         )
+        lp_BT, batch = (given, padded) if reuse_lp else padded
         with self._lock:
-            packed, weights = self._value_and_weights(lp_BT, batch)
-        weights = np.asarray(weights)  # the host buffer itself on CPU (read-only)
-        treedef = self._treedefs[_structure(lp_BT, batch)]
-        value, metrics = jax.tree.unflatten(treedef, np.asarray(packed).tolist())
-        del lp_BT, batch
+            out = fn(lp_BT, batch)
+        jax.block_until_ready(out)
         self._give_back(key, bufs, dirty)
-        return value, metrics, [weights[i, :n] for i, n in enumerate(lengths)]
+        return out, lp_BT, batch, lengths
+
+    def _unpack(self, treedef, packed, seqs, logprobs, norms):
+        value, metrics, bad = jax.tree.unflatten(treedef, np.asarray(packed).tolist())
+        if bad or norms is not None and not _valid_norms(norms):
+            self.check(seqs, norms, logprobs)  # raises, naming the entry
+            raise ValueError(  # pragma: no cover - the two forms of the rules disagree
+                f"client loss input: {int(bad)} entries break the value rules"
+            )
+        return value, metrics
 
     def _take_buffers(self, key: tuple, count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         with self._spare_lock:
@@ -254,6 +338,7 @@ class ClientLoss:
         forward: Sequence[np.ndarray] | None = None,
         norms: Mapping[str, float] | None = None,
         counter: PassCounter | None = None,
+        checked: bool = False,
     ) -> tuple[float, dict[str, float]]:
         """One fused client pass: forward (unless given) → JAX gradient → linear CE backward.
 
@@ -265,22 +350,35 @@ class ClientLoss:
             forward pass.
           norms: normalizers of the whole optimizer batch (for micro-batches).
           counter: a `PassCounter` to record the trainer passes.
+          checked: the caller (`StepRunner`) already ran `runner.validate_seqs` on ``seqs``.
 
         Returns:
           ``(loss, metrics)`` of the term (never the surrogate's ``loss:sum``).
+
+        Raises:
+          ValueError: malformed sequences or values (before any gradient reaches the trainer).
         """
-        validate_seqs(seqs, required=("action_mask",))
+        if not checked:
+            validate_seqs(seqs, required=("action_mask",))
+        seqs = seqs if isinstance(seqs, CheckedSeqs) else CheckedSeqs(seqs)
         counter = counter if counter is not None else PassCounter()
         if forward is None:
-            forward = trainer.forward([s.with_inputs() for s in seqs])
+            forward = trainer.forward(CheckedSeqs([s.with_inputs() for s in seqs], seqs.padded))
             counter.forward()
         elif len(forward) != len(seqs):
             raise ValueError(
                 f"precomputed forward has {len(forward)} entries for {len(seqs)} sequences"
             )
         value, metrics, weights = self.value_and_weights(forward, seqs, norms)
-        linear = [s.with_inputs(weights=w) for s, w in zip(seqs, weights, strict=True)]
+        seqs.padded["weights"] = weights.padded
+        linear = CheckedSeqs(
+            [s.with_inputs(weights=w) for s, w in zip(seqs, weights, strict=True)], seqs.padded
+        )
         result = trainer.forward_backward(linear, "cross_entropy")
         counter.forward_backward()
         metrics["surrogate_loss"] = float(result.metrics.get("loss:sum", float("nan")))
         return value, metrics
+
+
+def _valid_norms(norms: Mapping[str, float]) -> bool:
+    return all(np.isfinite(float(v)) and float(v) >= 0 for v in norms.values())

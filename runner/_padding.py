@@ -15,6 +15,7 @@ between them; benchmarks/RESULTS.md).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,29 +23,70 @@ import losses
 from runner._types import Seq
 
 DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-#: Fields of a runner `Seq` that the client-loss adapter copies into a `losses.Batch`.
-BATCH_FIELDS = (
-    "action_mask",
-    "obs_mask",
-    "advantages",
-    "sampling_logprobs",
-    "old_logprobs",
-    "ref_logprobs",
-    "weights",
-)
+#: Smallest padded row count (the one row rule of the local trainer and the client loss).
+MIN_ROWS = 8
+#: Fields of a runner `Seq` that the client-loss adapter copies into a `losses.Batch`: the
+#: `losses.DATA_FIELDS` (one list, owned by `losses`).
+BATCH_FIELDS = losses.DATA_FIELDS
 
 
-def bucket(n: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket ≥ ``n`` (``ValueError`` if ``n`` exceeds the largest)."""
+def bucket(n: int, buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, cap: int | None = None) -> int:
+    """The padded length of ``n`` targets: the smallest bucket ``≥ n``, capped at ``cap``.
+
+    The one length rule of the runner: the local trainer (``cap = max_seq_len``) and the
+    client-loss adapter pad to the same lengths, so a forward's padded logprobs are the client
+    loss's padded input as they are (`CheckedSeqs`).
+
+    Raises:
+      ValueError: ``n`` exceeds the largest bucket (or ``cap``).
+    """
+    if cap is not None and n > cap:
+        raise ValueError(f"length {n} exceeds the cap {cap}")
     for b in buckets:
         if b >= n:
-            return int(b)
+            return int(b) if cap is None else min(int(b), int(cap))
+    if cap is not None:
+        return int(cap)
     raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}; add a larger bucket")
 
 
-def row_bucket(n: int) -> int:
-    """Rows are padded to the next power of two."""
-    return 1 << max(0, int(n) - 1).bit_length()
+def row_bucket(n: int, multiple: int = 1, min_rows: int = MIN_ROWS) -> int:
+    """Padded row count: ``multiple·2^k ≥ max(n, min_rows)`` (``multiple`` = device count)."""
+    b = multiple * max(1, -(-min_rows // multiple))
+    while b < n:
+        b *= 2
+    return b
+
+
+class CheckedSeqs(list):
+    """A list of `Seq` that the runner has validated, with their padded buffers.
+
+    The runner's own path wraps the sequences it sends to a trainer in this type: a trainer
+    skips the generic validation of `runner.validate_seqs` for it (the data were validated
+    once, where they entered) and keeps only its own limits (vocabulary, length). ``padded``
+    maps a field name (``"tokens"``, ``"weights"``, ...) to a ``[rows, length]`` host buffer
+    whose row ``i`` starts with the field of sequence ``i`` (the rest is zero): the ragged
+    representation, so that a consumer with the same bucket reads it without re-padding, and
+    each sequence's array is a view of it.
+    """
+
+    def __init__(self, seqs: Sequence[Seq] = (), padded: Mapping[str, np.ndarray] | None = None):
+        super().__init__(seqs)
+        # A dict given is shared, not copied: the passes of one step see one set of buffers.
+        self.padded: dict[str, Any] = padded if isinstance(padded, dict) else dict(padded or {})
+
+
+class RaggedArrays(list):
+    """Per-sequence 1-D arrays that are views of one padded ``[rows, length]`` buffer.
+
+    ``padded[i, :len(self[i])]`` is ``self[i]`` and the rest of the buffer is 0. A trainer's
+    ``forward`` returns its logprobs this way; the client loss then uses ``padded`` as its
+    input directly when the bucket and dtype match.
+    """
+
+    def __init__(self, padded: np.ndarray, lengths: Sequence[int]):
+        super().__init__(padded[i, :n] for i, n in enumerate(lengths))
+        self.padded = padded
 
 
 #: Alignment (bytes) of padded buffers; XLA:CPU aliases host buffers with this alignment.

@@ -22,16 +22,17 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import losses
 from runner._client_loss import ClientLoss, PassCounter
-from runner._padding import normalizers
-from runner._types import AdamParams, Seq, Trainer, validate_seqs
+from runner._padding import CheckedSeqs, normalizers
+from runner._protocols import Trainer
+from runner._types import AdamParams, Seq, validate_seqs
 
 MODES = ("auto", "client", "builtin", "two_pass")
-#: Terms whose gradient is a fixed per-token weight (data only): a CE pass reproduces them.
-_DATA_WEIGHTED = ("echo_env", "sft_cross_entropy", "weighted_cross_entropy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,23 +45,27 @@ class Plan:
     kernel_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     aux: tuple[tuple[str, Any], ...] = ()
     reason: str = ""
+    all_targets_actions: bool = False
 
 
 def _parts(term: Any) -> list[tuple[str, Any]]:
     """The non-zero parts of a (possibly folded) term, flattened one level."""
-    if getattr(term, "kind", None) == "fold":
-        return [(n, t) for n, t in term.parts if not getattr(t, "is_zero", False)]
-    return [(getattr(term, "name", "term"), term)]
+    parts = term.parts if isinstance(term, losses.Term) and term.parts else None
+    if parts is not None:
+        return [(n, t) for n, t in parts if not (isinstance(t, losses.Term) and t.is_zero)]
+    return [(term.name if isinstance(term, losses.Term) else "term", term)]
 
 
-def _twin(term: Any, supported: Sequence[str]) -> tuple[str, dict] | None:
-    twin_fn = getattr(losses, "builtin_twin", None)
-    if twin_fn is None:  # pragma: no cover - the losses package always has it
+def _data_weighted(term: Any) -> bool:
+    """The term's gradient is a fixed per-token weight (`losses.Term.data_weights`)."""
+    return isinstance(term, losses.Term) and term.data_weights is not None
+
+
+def _twin(term: Any, supported: Sequence[str]) -> losses.Twin | None:
+    twin = term.twin if isinstance(term, losses.Term) else None
+    if twin is None or twin.kernel not in supported:
         return None
-    twin = twin_fn(term)
-    if twin is None or twin[0] not in supported:
-        return None
-    return twin[0], dict(twin[1])
+    return twin
 
 
 def plan_step(term: Any, *, supported: Sequence[str], mode: str = "auto") -> Plan:
@@ -81,8 +86,8 @@ def plan_step(term: Any, *, supported: Sequence[str], mode: str = "auto") -> Pla
     if mode == "client":
         return Plan(path="client", reason="forced client path")
     parts = _parts(term)
-    policy_parts = [(n, t) for n, t in parts if getattr(t, "kind", None) not in _DATA_WEIGHTED]
-    aux_parts = [(n, t) for n, t in parts if getattr(t, "kind", None) in _DATA_WEIGHTED]
+    policy_parts = [(n, t) for n, t in parts if not _data_weighted(t)]
+    aux_parts = [(n, t) for n, t in parts if _data_weighted(t)]
     twin = _twin(policy_parts[0][1], supported) if len(policy_parts) == 1 else None
     if mode == "two_pass":
         if twin is None:
@@ -93,18 +98,20 @@ def plan_step(term: Any, *, supported: Sequence[str], mode: str = "auto") -> Pla
         return Plan(
             path="two_pass",
             policy=policy_parts[0][1],
-            kernel=twin[0],
-            kernel_config=twin[1],
+            kernel=twin.kernel,
+            kernel_config=dict(twin.config),
             aux=tuple(aux_parts),
             reason="forced two-pass path",
+            all_targets_actions=twin.all_targets_actions,
         )
     if twin is not None and not aux_parts:
         return Plan(
             path="builtin",
             policy=policy_parts[0][1],
-            kernel=twin[0],
-            kernel_config=twin[1],
-            reason=f"policy-only term expressed exactly by builtin '{twin[0]}'",
+            kernel=twin.kernel,
+            kernel_config=dict(twin.config),
+            reason=f"policy-only term expressed exactly by builtin '{twin.kernel}'",
+            all_targets_actions=twin.all_targets_actions,
         )
     if mode == "builtin":
         raise ValueError(
@@ -120,38 +127,25 @@ def plan_step(term: Any, *, supported: Sequence[str], mode: str = "auto") -> Pla
     return Plan(path="client", reason=reason)
 
 
-def _aux_weights(term: Any, batch: losses.Batch) -> np.ndarray:
-    """Per-token CE weights of a data-weighted auxiliary term."""
-    kind, cfg = term.kind, term.config
-    if kind == "echo_env":
-        w = losses.echo_env_weights(batch, coef=cfg["coef"], normalization=cfg["normalization"])
-    elif kind == "sft_cross_entropy":
-        w = losses.term_weights(batch, "action", cfg["reduction"], cfg["max_tokens"])
-    else:
-        w = batch.weights
-    return np.asarray(w, dtype=np.float64)
+def _builtin_inputs(plan: Plan, batch: losses.Batch) -> tuple[jax.Array, ...]:
+    """The policy kernel's datum inputs and the auxiliary CE weights, as padded arrays.
 
-
-def _builtin_seqs(plan: Plan, seqs: Sequence[Seq], batch: losses.Batch) -> list[Seq]:
-    """Sequences for the policy kernel: advantages × reduction weights, the anchor as logprobs."""
+    ``advantages`` = A × the policy term's reduction weights (0 off the action mask), the
+    anchor ``old_logprobs`` as the datum ``logprobs`` (0 off the action mask), then one weight
+    array per auxiliary term (`losses.Term.data_weights`).
+    """
     cfg = plan.policy.config
-    w = np.asarray(
-        losses.term_weights(
-            batch, "action", cfg.get("reduction", "token_sum"), cfg.get("max_tokens")
-        ),
-        dtype=np.float64,
+    w = losses.term_weights(
+        batch, "action", cfg.get("reduction", "token_sum"), cfg.get("max_tokens")
     )
-    out = []
-    for i, s in enumerate(seqs):
-        n = s.num_targets
-        mask = np.asarray(s.inputs["action_mask"], np.float64)
-        adv = np.asarray(s.inputs["advantages"], np.float64)
-        anchor = s.inputs.get("old_logprobs", s.inputs.get("sampling_logprobs"))
-        if anchor is None:
-            raise ValueError(f"sequence {i}: the builtin policy kernel needs 'sampling_logprobs'")
-        anchor = np.where(mask > 0, np.asarray(anchor, np.float64), 0.0)
-        out.append(s.with_inputs(logprobs=anchor, advantages=adv * w[i, :n] * (mask > 0)))
-    return out
+    action = batch.action_mask > 0
+    adv = jnp.asarray(batch.advantages)
+    if adv.ndim == 1:
+        adv = adv[:, None]
+    folded = jnp.where(action, adv * w, 0.0)
+    anchor = jnp.where(action, batch.old_logprobs, 0.0)
+    aux = [term.data_weights(batch) for _, term in plan.aux]
+    return folded, anchor, *aux
 
 
 def _combine(parts: list[dict[str, float]], sizes: list[int]) -> dict[str, float]:
@@ -175,6 +169,11 @@ def _combine(parts: list[dict[str, float]], sizes: list[int]) -> dict[str, float
 class StepRunner:
     """Runs one optimizer step of a `losses` term on a `Trainer`, planned per `plan_step`.
 
+    The step's data are validated once, where they enter (`accumulate`): the sequences'
+    structure by `runner.validate_seqs`, their values by the rules of `losses.check_batch`
+    inside the step's jitted call (`losses.count_violations`). The trainer calls of the step get
+    `runner._padding.CheckedSeqs`, which trainers do not validate again.
+
     Args:
       term: the loss term (e.g. ``losses.fold(losses.grpo(), losses.echo_env())``).
       mode: see `plan_step`.
@@ -189,12 +188,10 @@ class StepRunner:
         self.term = term
         self.mode = mode
         self.client = ClientLoss(term, dtype=dtype, **client_kw)
-        self._evaluators: dict[int, ClientLoss] = {}
+        self._prepare: dict[int, Any] = {}
 
     def plan(self, trainer: Trainer) -> Plan:
-        return plan_step(
-            self.term, supported=getattr(trainer, "builtin_losses", ()), mode=self.mode
-        )
+        return plan_step(self.term, supported=trainer.builtin_losses, mode=self.mode)
 
     def accumulate(
         self,
@@ -216,32 +213,40 @@ class StepRunner:
         Returns:
           Metrics: the term's ``loss`` and metrics, ``path``-specific counters,
           ``passes/forwards``, ``passes/backwards``, ``plan/<path>`` = 1.
+
+        Raises:
+          ValueError: malformed sequences or values, before the trainer sees any of them (with
+            micro-batches: before the first micro-batch whose values break a rule).
         """
         validate_seqs(seqs, required=("action_mask",))
+        if num_microbatches > len(seqs):
+            raise ValueError(f"num_microbatches={num_microbatches} exceeds {len(seqs)} sequences")
         plan = self.plan(trainer)
-        if plan.kernel == "dro" and not all(np.all(s.inputs["action_mask"] > 0) for s in seqs):
-            # The builtin dro applies its quadratic at every target; exact only if all are actions.
+        if plan.all_targets_actions and not all(
+            np.all(s.inputs["action_mask"] > 0) for s in seqs
+        ):
+            # e.g. the builtin dro applies its quadratic at every target: exact only if all are
+            # actions.
             if self.mode != "auto":
                 raise ValueError(
-                    "the builtin 'dro' kernel is exact only when every target is an action"
+                    f"the builtin '{plan.kernel}' kernel is exact only when every target is an "
+                    "action"
                 )
-            plan = Plan(path="client", reason="dro with non-action targets: client path")
+            plan = Plan(path="client", reason=f"{plan.kernel} with non-action targets: client path")
         norms = normalizers(seqs)
         slices = (
             losses.row_slices(len(seqs), num_microbatches)
             if num_microbatches > 1
             else [slice(0, len(seqs))]
         )
-        if num_microbatches > len(seqs):
-            raise ValueError(f"num_microbatches={num_microbatches} exceeds {len(seqs)} sequences")
         counter = PassCounter()
         parts, sizes = [], []
         for sl in slices:
-            chunk = list(seqs[sl])
+            chunk = CheckedSeqs(seqs[sl])
             fwd = None if forward is None else list(forward[sl])
             if plan.path == "client":
                 value, metrics = self.client(
-                    trainer, chunk, forward=fwd, norms=norms, counter=counter
+                    trainer, chunk, forward=fwd, norms=norms, counter=counter, checked=True
                 )
             else:
                 value, metrics = self._policy_passes(plan, trainer, chunk, norms, counter)
@@ -253,21 +258,49 @@ class StepRunner:
         out[f"plan/{plan.path}"] = 1.0
         return out
 
+    def _prepare_fn(self, plan: Plan):
+        """The jitted kernel-input preparation of ``plan`` (with the batch's value check)."""
+        key = id(plan.policy), tuple(id(t) for _, t in plan.aux)
+        fn = self._prepare.get(key)
+        if fn is None:
+
+            def prepare(batch):
+                return _builtin_inputs(plan, batch), losses.count_violations(batch)
+
+            fn = self._prepare[key] = jax.jit(prepare)
+        return fn
+
     def _policy_passes(self, plan, trainer, chunk, norms, counter):
         batch = self.client.batch(chunk, norms)
-        policy_seqs = _builtin_seqs(plan, chunk, batch)
+        arrays, bad = jax.device_get(self._prepare_fn(plan)(batch))
+        if bad:
+            self.client.check(chunk, norms)  # raises, naming the entry
+        folded, anchor, *aux = (np.asarray(a) for a in arrays)
+        lengths = [s.num_targets for s in chunk]
+        policy_seqs = CheckedSeqs(
+            [
+                s.with_inputs(logprobs=anchor[i, :n], advantages=folded[i, :n])
+                for i, (s, n) in enumerate(zip(chunk, lengths, strict=True))
+            ],
+            chunk.padded,
+        )
+        chunk.padded.update(logprobs=anchor, advantages=folded)
         result = trainer.forward_backward(policy_seqs, plan.kernel, plan.kernel_config)
         counter.forward_backward()
         server_loss = float(result.metrics.get("loss:sum", float("nan")))
         if result.logprobs:
-            # The term's value and metrics from the logprobs the kernel saw (no extra pass).
-            value, metrics, _ = self.client.value_and_weights(result.logprobs, chunk, norms)
+            # The term's value and metrics from the logprobs the kernel saw (no extra pass, no
+            # gradient: a value-only jitted call).
+            value, metrics = self.client.value_and_metrics(result.logprobs, chunk, norms)
         else:  # a backend that returns no per-token logprobs: the kernel's loss is the term's
             value, metrics = server_loss, {}
         metrics["server_loss"] = server_loss
-        for _name, aux in plan.aux:
-            w = _aux_weights(aux, batch)
-            ce = [s.with_inputs(weights=w[i, : s.num_targets]) for i, s in enumerate(chunk)]
+        for w in aux:
+            ce = CheckedSeqs(
+                [s.with_inputs(weights=w[i, :n]) for i, (s, n) in enumerate(zip(chunk, lengths))],
+                chunk.padded,
+            )
+            chunk.padded["weights"] = w
             trainer.forward_backward(ce, "cross_entropy")
             counter.forward_backward()
         return value, metrics

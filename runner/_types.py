@@ -1,4 +1,4 @@
-"""The runner's data types and the `Trainer` protocol (the slice of the Fireworks client we use).
+"""The runner's data types; re-exports the `Trainer` protocol (`runner._protocols`).
 
 A `Seq` mirrors a Fireworks/Tinker ``Datum``: the full token sequence ``x[0..N-1]`` (the model
 input is ``x[:-1]``, the targets are ``x[1:]``) plus named per-token arrays of length ``N-1``,
@@ -10,15 +10,24 @@ trainer.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
-#: Built-in server kernels (Fireworks ``LossFnType`` names) a trainer may implement.
-BUILTIN_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+from runner._kernels import KERNEL_NAMES
+
+# The `Trainer` protocol (and the optional capabilities) live in runner._protocols.
+from runner._protocols import Trainer  # noqa: F401 - re-exported
+
+#: Every built-in server kernel (Fireworks ``LossFnType`` names) a trainer may implement: the
+#: names of the one kernel table, `runner._kernels` (table order). Each backend declares the subset
+#: it runs as ``trainer.builtin_losses``; the documented (Tinker) five are
+#: `runner._kernels.DOCUMENTED_KERNELS`.
+BUILTIN_LOSSES = KERNEL_NAMES
 #: ``optim_step`` gradient-accumulation normalization modes (Fireworks ``GradAccNormalization``).
 NORMALIZATIONS = ("none", "num_loss_tokens", "num_sequences")
 
@@ -80,6 +89,7 @@ def validate_seqs(
     ``vocab_size``/``max_len`` when given); every input is rank 1 with length ``N-1``, real
     (integer or float) and finite; every field in ``required`` is present.
     """
+    VALIDATIONS["validate_seqs"] += 1
     if len(seqs) == 0:
         raise ValueError("empty batch: at least one sequence is required")
     # The finiteness fast path sums each float field; an overflowing sum (huge finite entries)
@@ -122,10 +132,16 @@ def validate_seqs(
                     raise ValueError(
                         f"sequence {i}: field '{name}' must be numeric (real), got {arr.dtype}"
                     )
-                if kind != "f" or math.isfinite(arr.sum()):
-                    # Integers are finite; a finite sum proves every entry finite (an inf or nan
-                    # anywhere makes it inf or nan). An infinite sum may also be an overflow of huge
-                    # finite entries: only then look entry by entry.
+                if kind != "f":  # integers are finite and far inside the float32 range
+                    continue
+                if arr.dtype.itemsize <= 4:
+                    if math.isfinite(arr.sum()):
+                        # A finite sum proves every entry finite (an inf or nan anywhere makes it
+                        # inf or nan); an infinite sum may be an overflow: look entry by entry.
+                        continue
+                elif arr.size == 0 or (-_F32_MAX <= arr.min() and arr.max() <= _F32_MAX):
+                    # Wider floats: every entry finite *and* inside float32, the dtype the runner
+                    # computes in (nan fails both comparisons).
                     continue
                 finite = np.isfinite(arr)
                 if not finite.all():
@@ -134,52 +150,23 @@ def validate_seqs(
                         f"sequence {i}: field '{name}' has a non-finite value {float(arr[t])} at "
                         f"target {t}"
                     )
+                if arr.dtype.itemsize > 4:
+                    big = np.abs(arr) > _F32_MAX
+                    if big.any():
+                        t = int(np.argmax(big))
+                        raise ValueError(
+                            f"sequence {i}: field '{name}' value {float(arr[t]):g} at target {t} "
+                            f"overflows float32 (its largest value is {_F32_MAX:g})"
+                        )
 
+
+#: How many times `validate_seqs` ran in this process (tests count validations per step).
+VALIDATIONS: collections.Counter[str] = collections.Counter()
+_F32_MAX = float(np.finfo(np.float32).max)
 
 #: ``dtype.kind`` of the accepted field dtypes: real numbers (signed, unsigned, float). Complex
 #: fields are rejected: no kernel or loss reads them, and the wire has no complex dtype.
 _NUMERIC_KINDS = "iuf"
-
-
-#: Largest anchor logprob a kernel accepts (float32 log-softmax may round a hair above 0).
-MAX_ANCHOR_LOGPROB = 1e-4
-
-
-def check_kernel_inputs(
-    seqs: Sequence[Seq], inputs: Sequence[str], kernel_name: str | None = None
-) -> None:
-    """Kernel-level checks after `validate_seqs`, shared by every backend.
-
-    Rules: only ``inputs`` (and ``target_tokens``) may be present; ``target_tokens`` must equal
-    ``tokens[1:]``; anchor ``logprobs`` must be ``≤ 0`` (up to `MAX_ANCHOR_LOGPROB`).
-
-    Raises:
-      ValueError: naming the sequence, the field and the rule.
-    """
-    allowed = set(inputs) | {"target_tokens"}
-    where = f"kernel '{kernel_name}'" if kernel_name else "this call"
-    for i, seq in enumerate(seqs):
-        extra = sorted(set(seq.inputs) - allowed)
-        if extra:
-            raise ValueError(
-                f"sequence {i}: field '{extra[0]}' is not an input of {where} "
-                f"(inputs: {sorted(allowed)})"
-            )
-        if "target_tokens" in seq.inputs:
-            tt = np.asarray(seq.inputs["target_tokens"])
-            if tt.shape != seq.tokens[1:].shape or not np.array_equal(tt, seq.tokens[1:]):
-                raise ValueError(
-                    f"sequence {i}: field 'target_tokens' must equal tokens[1:] (the targets are "
-                    "the tokens shifted by one)"
-                )
-        if "logprobs" in inputs and "logprobs" in seq.inputs:
-            q = np.asarray(seq.inputs["logprobs"])
-            if (q > MAX_ANCHOR_LOGPROB).any():
-                t = int(np.argmax(q > MAX_ANCHOR_LOGPROB))
-                raise ValueError(
-                    f"sequence {i}: field 'logprobs' has a positive logprob {float(q[t])} at "
-                    f"target {t}"
-                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,50 +221,3 @@ class Sample:
     tokens: np.ndarray
     logprobs: np.ndarray
     stop_reason: str  # "stop" (a stop token was emitted, and is included) or "length"
-
-
-@runtime_checkable
-class Trainer(Protocol):
-    """The slice of the Fireworks training client the runner needs.
-
-    Gradients accumulate across ``forward_backward`` calls until ``optim_step``, as on Fireworks.
-    """
-
-    def forward(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
-        """Per-target logprobs of each sequence (float32[N-1]) at the current weights."""
-        ...
-
-    def forward_backward(
-        self, seqs: Sequence[Seq], loss_name: str, config: Mapping[str, Any] | None = None
-    ) -> ForwardBackwardResult:
-        """Runs a built-in kernel (`BUILTIN_LOSSES`) and accumulates its gradient."""
-        ...
-
-    def optim_step(self, adam: AdamParams, normalization: str | None = None) -> dict[str, float]:
-        """Applies the accumulated gradient (normalized per `NORMALIZATIONS`), then resets it."""
-        ...
-
-    def save_state(self, name: str) -> str:
-        """Saves resumable state (weights + optimizer); returns its reference."""
-        ...
-
-    def load_state(self, ref: str, with_optimizer: bool = True) -> None:
-        """Loads weights (and the optimizer state when ``with_optimizer``) from a reference."""
-        ...
-
-    def save_weights_for_sampler(self, name: str) -> str:
-        """Saves promotable inference weights; returns their reference."""
-        ...
-
-    def sample(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        num_samples: int,
-        max_tokens: int,
-        temperature: float = 1.0,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] = (),
-    ) -> list[list[Sample]]:
-        """``num_samples`` completions per prompt with their sampling logprobs."""
-        ...

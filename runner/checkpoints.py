@@ -13,19 +13,40 @@ a crash leaves either the old or the new file, never a torn one. A resume that c
 exact identity of the resumable state fails closed (`CheckpointError`), never silently starts
 over or picks another checkpoint.
 
-Backends may implement ``save_resumable(name) -> dict`` / ``load_resumable(identity, *,
-with_optimizer)`` and ``save_promotable(name) -> dict`` to record richer identities (Fireworks
-resolves the control-plane row); otherwise the `Trainer` protocol's ``save_state`` /
-``load_state`` / ``save_weights_for_sampler`` are used and the returned reference is the identity.
+Which trainer methods are used is decided by its `runner.Capabilities` (probed once, by the
+caller or here): a backend with `runner.RichCheckpoints` (``save_resumable(name) -> dict`` /
+``load_resumable(identity, *, with_optimizer)`` / ``save_promotable(name) -> dict``) records
+richer identities (Fireworks resolves the control-plane row); otherwise `runner.Checkpointing`'s
+``save_state`` / ``load_state`` / ``save_weights_for_sampler`` are used and the returned
+reference is the identity. A trainer with neither cannot be checkpointed (`CheckpointError`).
+Files are written with `runner._atomic` (``atomic_write_text`` / ``atomic_write_json`` are
+re-exported here).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
+
+from runner._atomic import atomic_write_json, atomic_write_text, make_dirs
+from runner._protocols import Capabilities, capabilities, describe
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "atomic_write_json",
+    "atomic_write_text",
+    "check_marker_consistency",
+    "latest_step",
+    "load_resumable",
+    "read_manifest",
+    "save_promotable",
+    "save_resumable",
+    "step_dir",
+    "write_checkpoint",
+]
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -35,28 +56,26 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or resumed exactly (fail closed)."""
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` via a temporary sibling, fsync and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, sort_keys=True, indent=2) + "\n")
+def _caps(trainer: Any, caps: Capabilities | None) -> Capabilities:
+    caps = caps if caps is not None else capabilities(trainer)
+    if not caps.can_checkpoint:
+        raise CheckpointError(
+            f"the trainer ({caps.type_name}) cannot be checkpointed: it has neither "
+            f"{describe('checkpointing')} nor {describe('rich_checkpoints')}"
+        )
+    return caps
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
-def save_resumable(trainer: Any, name: str) -> dict[str, Any]:
-    """The backend's resumable-state identity after saving it under ``name``."""
-    if hasattr(trainer, "save_resumable"):
+def save_resumable(trainer: Any, name: str, caps: Capabilities | None = None) -> dict[str, Any]:
+    """The backend's resumable-state identity after saving it under ``name``.
+
+    ``caps``: the trainer's `Capabilities` when the caller already probed them.
+    """
+    if _caps(trainer, caps).rich_checkpoints:
         return dict(trainer.save_resumable(name))
     ref = trainer.save_state(name)
     if not ref:
@@ -64,8 +83,8 @@ def save_resumable(trainer: Any, name: str) -> dict[str, Any]:
     return {"checkpoint_name": name, "provider_path": str(ref)}
 
 
-def save_promotable(trainer: Any, name: str) -> dict[str, Any]:
-    if hasattr(trainer, "save_promotable"):
+def save_promotable(trainer: Any, name: str, caps: Capabilities | None = None) -> dict[str, Any]:
+    if _caps(trainer, caps).rich_checkpoints:
         return dict(trainer.save_promotable(name))
     ref = trainer.save_weights_for_sampler(name)
     if not ref:
@@ -73,8 +92,14 @@ def save_promotable(trainer: Any, name: str) -> dict[str, Any]:
     return {"snapshot_name": name, "snapshot_path": str(ref)}
 
 
-def load_resumable(trainer: Any, identity: dict[str, Any], *, with_optimizer: bool = True) -> None:
-    if hasattr(trainer, "load_resumable"):
+def load_resumable(
+    trainer: Any,
+    identity: dict[str, Any],
+    *,
+    with_optimizer: bool = True,
+    caps: Capabilities | None = None,
+) -> None:
+    if _caps(trainer, caps).rich_checkpoints:
         trainer.load_resumable(identity, with_optimizer=with_optimizer)
         return
     ref = identity.get("provider_path")
@@ -95,19 +120,23 @@ def write_checkpoint(
     backend: str,
     promotable: bool,
     prefix: str = "foldloss",
+    caps: Capabilities | None = None,
 ) -> dict[str, Any]:
     """Saves state for ``step`` and returns the manifest. Order: resumable state, promotable
-    weights, manifest, then the ``latest`` marker (written last)."""
-    d = step_dir(root, step)
-    d.mkdir(parents=True, exist_ok=True)
+    weights, manifest, then the ``latest`` marker (written last).
+
+    ``caps``: the trainer's `Capabilities` when the caller already probed them.
+    """
+    caps = _caps(trainer, caps)
+    d = make_dirs(step_dir(root, step))
     name = f"{prefix}-step-{step}"
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "step": step,
         "backend": backend,
-        "resumable": save_resumable(trainer, name),
+        "resumable": save_resumable(trainer, name, caps),
         "includes_optimizer_state": True,
-        "promotable": save_promotable(trainer, name) if promotable else None,
+        "promotable": save_promotable(trainer, name, caps) if promotable else None,
         "run_state": run_state,
     }
     atomic_write_json(d / "manifest.json", manifest)

@@ -20,6 +20,8 @@ import numpy as np
 
 import losses
 from runner import checkpoints as ckpt
+from runner._atomic import atomic_write_text
+from runner._protocols import Capabilities, Trainer, capabilities, require
 from runner._step import StepRunner
 from runner._types import AdamParams, Seq
 from runner.config import Config, rl_loss
@@ -43,8 +45,11 @@ def make_env(cfg: Config) -> CalcEnv:
     )
 
 
-def make_trainer(cfg: Config, run_dir: Path) -> Any:
-    """The configured backend's trainer (``local`` by default)."""
+def make_trainer(cfg: Config, run_dir: Path) -> Trainer:
+    """The configured backend's trainer (``local`` by default).
+
+    `run` probes its capabilities once, right after building it (`check_capabilities`).
+    """
     if cfg.run.backend == "local":
         from runner.local import LocalTrainer, LocalTrainerConfig
 
@@ -82,7 +87,7 @@ def _adam(cfg: Config, lr: float) -> AdamParams:
     )
 
 
-def sft_step(cfg: Config, trainer: Any, env: CalcEnv, step: int) -> dict[str, float]:
+def sft_step(cfg: Config, trainer: Trainer, env: CalcEnv, step: int) -> dict[str, float]:
     """One SFT step through the SFT translation path (collate → translate → cross_entropy)."""
     rng = _rng(cfg, 1, step)
     examples = [expert_sft_example(env, env.sample_problem(rng)) for _ in range(cfg.sft.batch_size)]
@@ -118,7 +123,12 @@ def rl_seqs(cfg: Config, groups) -> tuple[list[Seq], np.ndarray]:
 
 
 def rl_step(
-    cfg: Config, trainer: Any, env: CalcEnv, step: int, runner: StepRunner, reference: Any = None
+    cfg: Config,
+    trainer: Trainer,
+    env: CalcEnv,
+    step: int,
+    runner: StepRunner,
+    reference: Trainer | None = None,
 ) -> dict[str, float]:
     """Sample groups → rewards → group advantages → one planned step of fold(grpo, echo_env)."""
     rng = _rng(cfg, 2, step)
@@ -163,7 +173,7 @@ def rl_step(
     return metrics
 
 
-def evaluate(cfg: Config, trainer: Any, env: CalcEnv) -> float:
+def evaluate(cfg: Config, trainer: Trainer, env: CalcEnv) -> float:
     """Mean reward on a fixed set of held-out problems, sampled at the RL temperature with a fixed
     seed (the same problems and seeds at every evaluation, so evaluations are comparable)."""
     rng = _rng(cfg, 3)
@@ -194,7 +204,7 @@ class MetricsLog:
                     rec = json.loads(line)
                     if rec.get("step", 0) <= resume_after:
                         self.records.append(rec)
-        ckpt.atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -203,7 +213,7 @@ class MetricsLog:
             f.flush()
 
 
-def _reference_trainer(cfg: Config, trainer: Any, run_dir: Path) -> Any:
+def _reference_trainer(cfg: Config, trainer: Trainer, run_dir: Path) -> Trainer:
     """A frozen copy of the policy at the start of RL, for the KL penalty (local backend)."""
     if cfg.run.backend != "local":
         raise ValueError(
@@ -213,15 +223,74 @@ def _reference_trainer(cfg: Config, trainer: Any, run_dir: Path) -> Any:
     if not ref_path.exists():  # on resume the saved reference is reused
         shutil.copyfile(trainer.save_weights_for_sampler("reference"), ref_path)
     reference = make_trainer(cfg, run_dir / "reference_trainer")
+    require(reference, "trainer", "loads_weights", why=_KL_WHY.format(kl=cfg.rl.kl_coef))
     reference.load_weights(str(ref_path))
     return reference
+
+
+_KL_WHY = (
+    "[rl].kl_coef = {kl} > 0 needs a frozen reference model: the policy's weights are saved with "
+    "save_weights_for_sampler and loaded into a second trainer of the same backend with "
+    "load_weights (the local backend has both)"
+)
+
+
+def check_capabilities(cfg: Config, trainer: Any, *, start: int = 1) -> Capabilities:
+    """Checks that ``trainer`` (or its `Capabilities`) can do what ``cfg`` asks from ``start`` on.
+
+    Called by `run` right after the trainer is built (or received), before any step, evaluation
+    or checkpoint load, so a missing capability fails at once rather than after the SFT phase.
+
+    Raises:
+      ValueError: naming the missing capability (its Protocol and methods) and the config
+        setting that needs it (`runner.require`).
+    """
+    caps = capabilities(trainer)
+    total = cfg.total_steps
+    require(
+        caps,
+        "trainer",
+        why="every step runs forward_backward and optim_step, and the step planner reads "
+        "builtin_losses",
+    )
+    rl_left = max(start, cfg.sft.steps + 1) <= total  # an RL step is still to run
+    if start <= total:  # the step-0 evaluation (start == 1), later evaluations, RL rollouts
+        rollouts = (
+            f" and the rollouts of the [rl].steps = {cfg.rl.steps} RL steps" if rl_left else ""
+        )
+        require(
+            caps,
+            "sampling",
+            why="the main job samples from the policy for its held-out evaluations (step 0 and "
+            f"the end of each phase){rollouts}",
+        )
+    if start > 1:
+        require(
+            caps,
+            ("rich_checkpoints", "checkpointing"),
+            why=f"--resume restores the checkpoint of step {start - 1}",
+        )
+    if start <= total:
+        every = (
+            f" and every [checkpoint].interval = {cfg.checkpoint.interval} steps"
+            if cfg.checkpoint.interval
+            else ""
+        )
+        require(
+            caps,
+            ("rich_checkpoints", "checkpointing"),
+            why=f"the run writes a checkpoint at its last step{every}",
+        )
+    if cfg.rl.kl_coef > 0 and rl_left:
+        require(caps, "loads_weights", "checkpointing", why=_KL_WHY.format(kl=cfg.rl.kl_coef))
+    return caps
 
 
 def run(
     cfg: Config,
     *,
     resume: bool = False,
-    trainer: Any = None,
+    trainer: Trainer | None = None,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
     progress: bool = True,
 ) -> RunResult:
@@ -232,6 +301,7 @@ def run(
       resume: continue from the latest checkpoint of ``runs/<name>`` (fail closed if there is
         none, if it cannot be resolved, or if the config changed what the run computes).
       trainer: an already-built trainer (tests; the Fireworks fake); default: `make_trainer`.
+        Its capabilities are checked against the config (`check_capabilities`) before any work.
       on_step: callback after each step's metrics are written.
       progress: show a rich progress bar.
     """
@@ -264,13 +334,19 @@ def run(
             f"run directory {run_dir} already holds a run: pass --resume to continue it or choose "
             "another --name"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt.atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
     owned = trainer is None
-    trainer = trainer if trainer is not None else make_trainer(cfg, run_dir)
+    if not owned:  # a received trainer: check it before the run directory is touched
+        caps = check_capabilities(cfg, trainer, start=start)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if owned:
+        trainer = make_trainer(cfg, run_dir)
+        caps = capabilities(trainer)  # probed once, right after it is built
     try:
+        if owned:  # (a failed check still closes the trainer, below)
+            check_capabilities(cfg, caps, start=start)
         if manifest is not None:
-            ckpt.load_resumable(trainer, manifest["resumable"], with_optimizer=True)
+            ckpt.load_resumable(trainer, manifest["resumable"], with_optimizer=True, caps=caps)
         env = make_env(cfg)
         log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
         step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
@@ -297,6 +373,7 @@ def run(
                 run_state=run_state,
                 backend=cfg.run.backend,
                 promotable=cfg.checkpoint.save_promotable,
+                caps=caps,
             )
             plot_metrics(log.records, run_dir / "plot.png")
 
@@ -333,9 +410,9 @@ def run(
                     checkpoint(step)
                 if on_step is not None:
                     on_step(step, record)
-        if hasattr(trainer, "finalize"):  # a hosted backend's final promotion, then cleanup
+        if caps.finalizing:  # a hosted backend's final promotion, then cleanup
             trainer.finalize(run_dir, last_manifest)
         return RunResult(run_dir=run_dir, last_step=total, metrics=log.records)
     finally:
-        if owned and hasattr(trainer, "close"):  # e.g. the Fireworks sampling client/service
+        if owned and caps.closing:  # e.g. the Fireworks sampling client/service
             trainer.close()

@@ -12,14 +12,10 @@ import numpy as np
 
 import losses
 from runner import AdamParams, ForwardBackwardResult, validate_seqs
+from runner._kernels import DOCUMENTED_KERNELS, KERNELS
 
-_KERNELS = {
-    "cross_entropy": lambda cfg: losses.weighted_cross_entropy(),
-    "importance_sampling": lambda cfg: losses.importance_sampling(reduction="token_sum"),
-    "ppo": lambda cfg: losses.ppo(reduction="token_sum", **cfg),
-    "cispo": lambda cfg: losses.cispo(reduction="token_sum", **cfg),
-    "dro": lambda cfg: losses.dro(reduction="token_sum", **cfg),
-}
+#: The documented (Tinker) kernels, as the kernel table's terms (config validated by the table).
+_KERNELS = {name: KERNELS[name].term for name in DOCUMENTED_KERNELS}
 
 
 class BigramTrainer:

@@ -33,10 +33,12 @@ from fireworks.training.sdk.trainer import TrainerJobManager
 import losses
 import runner
 from runner import AdamParams, Seq, StepRunner, make_seq
+from runner._kernels import KERNELS
 from runner.config import load_config
 from runner.fireworks import (
     BUILTIN_LOSSES,
     LOSS_CONFIG_KEYS,
+    OPT_IN_LOSSES,
     FireworksTrainer,
     api_key_from_env,
     builtin_config,
@@ -141,7 +143,9 @@ def test_fake_signatures_match_the_sdk(fake, real, names):
 def test_builtin_losses_are_sdk_loss_types_and_twins_translate():
     sdk = set(typing.get_args(types.LossFnType))
     assert set(BUILTIN_LOSSES) <= sdk and "reinforce" not in BUILTIN_LOSSES
-    assert set(BUILTIN_LOSSES) == sdk - {"reinforce"} == set(LOSS_CONFIG_KEYS)
+    assert set(BUILTIN_LOSSES) == sdk - {"reinforce"}
+    assert set(OPT_IN_LOSSES) == {"reinforce"}  # capability-gated: used only when asked for
+    assert set(LOSS_CONFIG_KEYS) == set(BUILTIN_LOSSES) | set(OPT_IN_LOSSES) == sdk
     terms = [
         losses.grpo(clip_low=0.2, clip_high=0.28),
         losses.grpo(dual_clip=3.0),
@@ -683,12 +687,19 @@ def test_fireworks_trainer_is_a_runner_trainer(tmp_path):
 def test_every_documented_config_key_passes_the_sdk_client_side_checks():
     from fireworks.training.sdk.client import _target_logprob_support
 
-    values = {"divergence": "binary_kl", "target_logprob_support": "full_vocabulary"}
+    values = {
+        "divergence": "binary_kl",
+        "target_logprob_support": "full_vocabulary",
+        "clip_low_threshold": 0.5,
+        "score_centering": False,
+    }
 
     class NoCapabilities:  # a trainer that advertises nothing optional
         pass
 
-    for loss, keys in LOSS_CONFIG_KEYS.items():
+    for loss in BUILTIN_LOSSES:
+        keys = LOSS_CONFIG_KEYS[loss]
+        assert set(keys) | {"target_logprob_support"} == set(KERNELS[loss].keys)
         cfg = builtin_config(
             loss, {k: values.get(k, 1.5) for k in (*keys, "target_logprob_support")}
         )
@@ -696,3 +707,8 @@ def test_every_documented_config_key_passes_the_sdk_client_side_checks():
         FiretitanTrainingClient._validate_loss_capabilities(NoCapabilities(), loss, cfg)
         for legacy in ("replay", "logprob_normalization", "importance_sampling"):
             assert legacy not in keys  # keys the SDK rejects outright
+    # the opt-in kernel is capability-gated by the SDK itself
+    with pytest.raises(ValueError, match="REINFORCE"):
+        FiretitanTrainingClient._validate_loss_capabilities(
+            NoCapabilities(), "reinforce", builtin_config("reinforce", {})
+        )

@@ -156,7 +156,8 @@ def test_protocol_and_config_defaults():
 
 
 def test_kernel_table_covers_builtin_losses_and_twins():
-    assert set(BUILTIN_LOSSES) <= set(KERNELS)
+    # the local trainer runs the whole kernel table (runner._kernels)
+    assert LocalTrainer.builtin_losses == tuple(BUILTIN_LOSSES) == tuple(KERNELS)
     for term in (
         losses.grpo(clip_low=0.2, clip_high=0.28),
         losses.grpo(dual_clip=3.0),
@@ -515,8 +516,11 @@ BAD_FB = [
     ([_seq(weights=np.ones(4))], "cross_entropy", {"beta": 1.0}, r"unknown loss_fn_config key.*beta"),
     ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "ppo", {"clip_low": 0.2}, "clip_low"),
     ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "ppo", {"clip_low_threshold": 1.5}, "clip_low_threshold"),
-    ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "ppo", {"ratio_log_cap": 0}, "ratio_log_cap"),
+    ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "cispo", {"ratio_log_cap": 0}, r"'ratio_log_cap' must be a number > 0"),
+    ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "ppo", {"ratio_log_cap": 20}, r"unknown loss_fn_config key 'ratio_log_cap'"),
     ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "dro", {"ratio_log_cap": 5}, "ratio_log_cap"),
+    ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "ppo", {"target_logprob_support": "sampling_support"}, "full-vocabulary logprobs only"),
+    ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "reinforce", {"score_centering": True}, "score_centering"),
     ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "dppo", {"divergence": 1.0}, "divergence"),
     ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "dppo", {"divergence": "l2"}, "divergence"),
     ([_seq(logprobs=-np.ones(4), advantages=np.ones(4))], "ppo", {"clip_low_threshold": "0.8"}, "must be a number"),

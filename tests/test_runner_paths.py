@@ -186,3 +186,120 @@ def test_float64_path_gradient_helper_is_not_vacuous():
     g2 = direct_grad(trainer, other, seqs, np.float64)[1]
     assert _rel(_flat(g2), _flat(g1)) > 1e-6
     assert jnp.asarray(_flat(g1)).dtype == jnp.float64
+
+
+# -- one boundary per step: the same value rules on every path, validated once -------------------
+
+from runner import ClientLoss  # noqa: E402
+from runner._types import VALIDATIONS  # noqa: E402
+
+GRPO = losses.grpo(clip_low=0.2, clip_high=0.28)
+FOLD = losses.fold(GRPO, losses.echo_env(coef=0.05))
+#: (path, mode, term) of every step path; "direct" is ClientLoss called by the user.
+PATHS = [
+    ("client", "client", FOLD),
+    ("builtin", "auto", GRPO),
+    ("two_pass", "two_pass", FOLD),
+    ("direct", None, FOLD),
+]
+
+
+def _run(path, mode, term, trainer, seqs):
+    if mode is None:
+        return ClientLoss(term)(trainer, seqs)
+    metrics = StepRunner(term, mode=mode).accumulate(trainer, seqs)
+    assert metrics[f"plan/{path}"] == 1.0
+    return metrics
+
+
+def _edit(seqs, i, **fields):
+    out = list(seqs)
+    out[i] = Seq(seqs[i].tokens, dict(seqs[i].inputs, **fields))
+    return out
+
+
+def _bad_cases(seqs):
+    s = seqs[1]
+    a = np.asarray(s.inputs["action_mask"])
+    o = np.asarray(s.inputs["obs_mask"])
+    t_act = int(np.flatnonzero(a)[0])
+    t_obs = int(np.flatnonzero(o)[0])
+    half = a.copy()
+    half[t_act] = 0.5
+    two = o.copy()
+    two[t_obs] = 2.0
+    overlap = o.copy()
+    overlap[t_act] = 1.0
+    positive = np.asarray(s.inputs["sampling_logprobs"]).copy()
+    positive[t_act] = 0.3
+    huge = np.asarray(s.inputs["advantages"]).copy()
+    huge[t_act] = 1e39
+    yield "half mask", _edit(seqs, 1, action_mask=half), rf"action_mask\[sequence 1, target {t_act}\] = 0.5: masks must hold only 0 or 1"
+    yield "mask of 2", _edit(seqs, 1, obs_mask=two), rf"obs_mask\[sequence 1, target {t_obs}\] = 2: masks"
+    yield "overlap", _edit(seqs, 1, obs_mask=overlap), rf"overlap at sequence 1, target {t_act}"
+    yield "positive logprob", _edit(seqs, 1, sampling_logprobs=positive), rf"sampling_logprobs\[sequence 1, target {t_act}\] = 0.3 > 0"
+    yield "float32 overflow", _edit(seqs, 1, advantages=huge), rf"sequence 1: field 'advantages' value 1e\+39 at target {t_act} overflows float32"
+
+
+@pytest.mark.parametrize("path, mode, term", PATHS, ids=[p for p, _, _ in PATHS])
+def test_every_path_rejects_the_values_check_batch_rejects(path, mode, term):
+    """Masks of 0.5 or 2, overlapping masks, positive sampling logprobs and values that overflow
+    float32 were computed silently by the fused path; now every path stops before the trainer
+    accumulates anything, naming sequence, target and rule."""
+    trainer = make_trainer("float32")
+    seqs = make_seqs(trainer, seed=5)
+    for label, bad, message in _bad_cases(seqs):
+        with pytest.raises(ValueError, match=message):
+            _run(path, mode, term, trainer, bad)
+        assert trainer.accumulated_grads() is None, label
+    _run(path, mode, term, trainer, seqs)  # the good batch runs
+    assert trainer.accumulated_grads() is not None
+
+
+def test_direct_trainer_calls_reject_values_that_overflow_float32():
+    """Weights or advantages of 1e39 (finite in float64) became inf in the float32 cast and one
+    optim_step made every parameter NaN, even with grad_clip_norm=1."""
+    trainer = make_trainer("float32")
+    seq = Seq(np.arange(6) % VOCAB, dict(weights=np.array([0.0, 1e39, 0, 0, 0])))
+    with pytest.raises(ValueError, match="field 'weights' value 1e\\+39 at target 1 overflows float32"):
+        trainer.forward_backward([seq], "cross_entropy")
+    rl = Seq(np.arange(6), dict(logprobs=np.full(5, -1.0), advantages=np.array([0, 0, -1e39, 0, 0])))
+    with pytest.raises(ValueError, match="field 'advantages' value -1e\\+39 at target 2 overflows"):
+        trainer.forward_backward([rl], "importance_sampling")
+    assert trainer.accumulated_grads() is None
+
+
+@pytest.mark.parametrize("path, mode, term", PATHS[:3], ids=[p for p, _, _ in PATHS[:3]])
+def test_one_validation_per_step_on_the_runner_path(path, mode, term):
+    trainer = make_trainer("float32")
+    seqs = make_seqs(trainer, seed=6)
+    runner = StepRunner(term, mode=mode)
+    adam = __import__("runner").AdamParams(learning_rate=1e-3)
+    runner.step(trainer, seqs, adam)  # compile outside the count
+    before = VALIDATIONS["validate_seqs"]
+    for _ in range(3):
+        runner.step(trainer, seqs, adam)
+    assert VALIDATIONS["validate_seqs"] - before == 3
+    before = VALIDATIONS["validate_seqs"]
+    runner.step(trainer, seqs, adam, num_microbatches=3)
+    assert VALIDATIONS["validate_seqs"] - before == 1
+    # A direct trainer call validates its own input (once).
+    before = VALIDATIONS["validate_seqs"]
+    trainer.forward([s.with_inputs() for s in seqs])
+    assert VALIDATIONS["validate_seqs"] - before == 1
+
+
+def test_float16_masks_give_the_float64_loss_on_the_client_path():
+    trainer = make_trainer("float32")
+    seqs = make_seqs(trainer, seed=7)
+    half = [
+        Seq(s.tokens, {k: (v.astype(np.float16) if k.endswith("_mask") else v) for k, v in s.inputs.items()})
+        for s in seqs
+    ]
+    lps = trainer.forward([s.with_inputs() for s in seqs])
+    client = ClientLoss(FOLD)
+    v64, m64, w64 = client.value_and_weights(lps, seqs)
+    v16, m16, w16 = client.value_and_weights(lps, half)
+    assert v16 == v64 and m16 == m64
+    for a, b in zip(w64, w16, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -24,6 +24,7 @@ _EXPORTS = {
     "prompt_seed": "runner.fireworks._trainer",
     "BUILTIN_LOSSES": "runner.fireworks._convert",
     "LOSS_CONFIG_KEYS": "runner.fireworks._convert",
+    "OPT_IN_LOSSES": "runner.fireworks._convert",
     "to_datum": "runner.fireworks._convert",
     "to_datums": "runner.fireworks._convert",
     "builtin_config": "runner.fireworks._convert",

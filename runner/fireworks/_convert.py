@@ -1,4 +1,4 @@
-"""Runner ``Seq`` ⇄ Fireworks SDK ``Datum`` conversion and the builtin-loss tables.
+"""Runner ``Seq`` ⇄ Fireworks SDK ``Datum`` conversion and the Fireworks subset of the kernels.
 
 A `runner.Seq` (full tokens ``x[0..N-1]`` plus target-aligned per-token inputs of length
 ``N-1``) becomes ``Datum(model_input=ModelInput.from_ints(x[:-1]), loss_fn_inputs={
@@ -9,7 +9,6 @@ bfloat16 inputs); ``target_tokens`` is a zero-copy view when the tokens are alre
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -18,12 +17,15 @@ from typing import Any
 import numpy as np
 from fireworks.training.sdk import types
 
-from runner._types import Seq, check_kernel_inputs, validate_seqs
+from runner._kernels import GENERIC_KEYS, KERNELS, check_kernel_inputs, resolve_config, supported
+from runner._types import Seq, validate_seqs
 
-#: Builtin kernels (SDK ``types.LossFnType`` names) whose formulas `losses` terms express
-#: (``losses.builtin_twin`` targets plus ``cross_entropy``). ``reinforce`` is left out: its
-#: kernel is undocumented and capability-gated (``supports_reinforce``).
-BUILTIN_LOSSES = (
+#: The builtin kernels `FireworksTrainer` uses by default, declared from the kernel table
+#: (`runner._kernels`): every SDK ``types.LossFnType`` with a documented or inferred formula.
+#: ``reinforce`` is left out of the default: it is capability-gated (``supports_reinforce``) and
+#: its formula is undocumented; name it in ``FireworksTrainer(..., builtin_losses=...)`` to opt in
+#: (see `OPT_IN_LOSSES`).
+BUILTIN_LOSSES = supported(
     "cross_entropy",
     "importance_sampling",
     "ppo",
@@ -33,64 +35,35 @@ BUILTIN_LOSSES = (
     "gspo",
     "dppo",
 )
-#: ``loss_fn_config`` keys per kernel (reference/fireworks-sdk.md §4; they coincide with the
-#: keys ``losses.builtin_twin`` emits). Every kernel also takes ``target_logprob_support``
-#: (§4.1; the SDK validates its value and capability client-side).
+#: Kernels a `FireworksTrainer` runs only when asked to (``builtin_losses=``), with the trainer
+#: capability (a ``FiretitanTrainingClient`` attribute) each needs.
+OPT_IN_LOSSES: dict[str, str] = {name: "supports_reinforce" for name in supported("reinforce")}
+#: Kernel-specific ``loss_fn_config`` keys per kernel, from the kernel table (every kernel also
+#: takes the generic `runner._kernels.GENERIC_KEYS`, e.g. ``target_logprob_support``).
 LOSS_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": (),
-    "importance_sampling": ("ratio_log_cap",),
-    "ppo": ("clip_low_threshold", "clip_high_threshold"),
-    "cispo": ("clip_low_threshold", "clip_high_threshold", "ratio_log_cap"),
-    "dro": ("beta",),
-    "dapo": ("clip_low_threshold", "clip_high_threshold", "ratio_log_cap", "eps_clip_c"),
-    "gspo": ("clip_low_threshold", "clip_high_threshold", "seq_ratio_log_cap"),
-    "dppo": ("divergence", "threshold", "ratio_log_cap"),
+    name: tuple(k for k in KERNELS[name].keys if k not in GENERIC_KEYS)
+    for name in (*BUILTIN_LOSSES, *OPT_IN_LOSSES)
 }
-_GENERIC_KEYS = ("target_logprob_support",)
-_STRING_VALUES = {
-    "divergence": ("binary_tv", "binary_kl"),
-    "target_logprob_support": ("full_vocabulary", "sampling_support", "candidates"),
-}
-#: Datum inputs per kernel (besides ``target_tokens``).
+#: Datum inputs per kernel (besides ``target_tokens``), from the kernel table.
 KERNEL_INPUTS: dict[str, tuple[str, ...]] = {
-    name: ("weights",) if name == "cross_entropy" else ("logprobs", "advantages")
-    for name in BUILTIN_LOSSES
+    name: KERNELS[name].inputs for name in (*BUILTIN_LOSSES, *OPT_IN_LOSSES)
 }
 
 
 def builtin_config(loss_name: str, config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Validates a kernel's ``loss_fn_config``; returns a fresh JSON-ready dict.
+    """Validates a kernel's ``loss_fn_config``; returns a fresh JSON-ready dict for the SDK.
 
-    Translates a ``losses.builtin_twin`` config (same key names) into the SDK's
-    ``loss_fn_config``: numbers become finite Python floats, ``divergence`` and
-    ``target_logprob_support`` stay strings from their allowed sets.
+    Validation is the kernel table's (`runner._kernels.resolve_config`, the same on every
+    backend). Only the keys the caller set are sent (the server applies its own defaults to the
+    rest), and a key set to ``None`` (off / the kernel's default, e.g. ``eps_clip_c``) is not
+    sent. Numbers become finite Python floats, strings stay strings from their allowed sets,
+    bools stay bools. A ``losses.builtin_twin`` config (same key names) translates unchanged.
 
     Raises:
       ValueError: unknown kernel, unknown key (naming the allowed keys), or a bad value.
     """
-    if not isinstance(loss_name, str) or loss_name not in LOSS_CONFIG_KEYS:
-        raise ValueError(f"unknown loss {loss_name!r}; expected one of {BUILTIN_LOSSES}")
-    allowed = LOSS_CONFIG_KEYS[loss_name] + _GENERIC_KEYS
-    out: dict[str, Any] = {}
-    for key, value in dict(config or {}).items():
-        if key not in allowed:
-            raise ValueError(
-                f"{loss_name}: unknown loss_fn_config key {key!r}; allowed keys: {allowed}"
-            )
-        if key in _STRING_VALUES:
-            if value not in _STRING_VALUES[key]:
-                raise ValueError(
-                    f"{loss_name}: loss_fn_config '{key}' must be one of {_STRING_VALUES[key]}, "
-                    f"got {value!r}"
-                )
-            out[key] = str(value)
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
-            raise ValueError(f"{loss_name}: loss_fn_config '{key}' must be a number, got {value!r}")
-        if not math.isfinite(float(value)):
-            raise ValueError(f"{loss_name}: loss_fn_config '{key}' must be finite, got {value!r}")
-        out[key] = float(value)
-    return out
+    full = resolve_config(loss_name, config)
+    return {k: full[k] for k, v in dict(config or {}).items() if v is not None}
 
 
 class ModelInputCache:
@@ -134,7 +107,7 @@ def _field_array(seq: Seq, index: int, name: str) -> np.ndarray:
 
 
 def check_fields(seqs: Sequence[Seq], fields: Sequence[str], loss_name: str | None) -> None:
-    """Kernel-level checks after `runner.validate_seqs` (`runner._types.check_kernel_inputs`)."""
+    """Kernel-level checks after `runner.validate_seqs` (`runner._kernels.check_kernel_inputs`)."""
     check_kernel_inputs(seqs, fields, loss_name)
 
 

@@ -33,8 +33,9 @@ import numpy as np
 from fireworks.training.sdk import types
 from fireworks.training.sdk.client import GradAccNormalization
 
+from runner._atomic import atomic_write_json
 from runner._types import NORMALIZATIONS, AdamParams, ForwardBackwardResult, Sample, Seq
-from runner.checkpoints import CheckpointError, atomic_write_json
+from runner.checkpoints import CheckpointError
 from runner.fireworks._controlplane import (
     dns_label,
     is_promotable_row,
@@ -46,6 +47,7 @@ from runner.fireworks._controlplane import (
 from runner.fireworks._convert import (
     BUILTIN_LOSSES,
     KERNEL_INPUTS,
+    OPT_IN_LOSSES,
     ModelInputCache,
     builtin_config,
     output_logprobs,
@@ -106,8 +108,11 @@ class FireworksTrainer:
       delete_timeout_s / delete_poll_s: how long to verify the deletion (60 s / 5 s).
       modality: ``"auto"``, ``"text"`` or ``"vision"`` (see `runner.fireworks.check_text_only`).
       name_prefix: prefix of the sampler snapshot names.
-      builtin_losses: restrict the kernels the step planner may use (default: all of
-        `runner.fireworks.BUILTIN_LOSSES`).
+      builtin_losses: the kernels the step planner may use (default: all of
+        `runner.fireworks.BUILTIN_LOSSES`). A subset restricts them; a capability-gated kernel of
+        `runner.fireworks.OPT_IN_LOSSES` (``reinforce``, undocumented formula) is used only when
+        named here, and only on a client that advertises its capability
+        (``supports_reinforce``).
 
     Attributes:
       builtin_losses: kernel names for `runner.plan_step`.
@@ -146,9 +151,15 @@ class FireworksTrainer:
             check_output_model_id(output_model_id)
         if builtin_losses is None:
             builtin_losses = BUILTIN_LOSSES
-        unknown = sorted(set(builtin_losses) - set(BUILTIN_LOSSES))
+        unknown = sorted(set(builtin_losses) - set(BUILTIN_LOSSES) - set(OPT_IN_LOSSES))
         if unknown:
             raise ValueError(f"FireworksTrainer: unsupported builtin losses {unknown}")
+        for name in sorted(set(builtin_losses) & set(OPT_IN_LOSSES)):
+            if getattr(client, OPT_IN_LOSSES[name], None) is not True:
+                raise ValueError(
+                    f"FireworksTrainer: unsupported builtin losses [{name!r}]: the trainer does "
+                    f"not advertise {OPT_IN_LOSSES[name]}"
+                )
         self.builtin_losses = tuple(builtin_losses)
         self.client = client
         self.service = service
@@ -226,7 +237,7 @@ class FireworksTrainer:
 
         Inputs per kernel: ``cross_entropy`` ← ``weights``; every policy kernel ← ``logprobs``
         (the anchor) and ``advantages`` (per token, reduction weights folded in). ``config``
-        keys: `runner.fireworks.LOSS_CONFIG_KEYS`.
+        keys and values: the kernel table (`runner._kernels`; `runner.fireworks.builtin_config`).
 
         Returns:
           `ForwardBackwardResult`: per-sequence trainer logprobs (``[]`` when the server sends

@@ -13,7 +13,8 @@ it to ``v-<hex>`` (a rename of a new directory), then points ``CURRENT`` at it w
 exception) at any point before the ``CURRENT`` replace leaves the previous checkpoint of the
 same name — and every other checkpoint — loadable; leftovers are ignored and swept by the next
 save of that name. A sampler save writes ``.<name>.safetensors.tmp-<hex>`` and ``os.replace``-s
-it onto the final name. Files are fsynced before each rename.
+it onto the final name. Files are fsynced before each rename and directories after it (all
+through `runner._atomic`).
 
 Names are ``[A-Za-z0-9][A-Za-z0-9._-]*`` (at most 128 characters), so a name never escapes the
 checkpoint directory.
@@ -33,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from runner._atomic import atomic_path, atomic_write_text, make_dirs, publish_dir
+
 FORMAT_VERSION = 1
 STATE_KIND = "foldloss.local.state"
 SAMPLER_KIND = "foldloss.local.sampler"
@@ -48,34 +51,6 @@ def check_name(name: Any) -> str:
             "a letter or digit, at most 128 characters)"
         )
     return name
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 # -- resumable state ----------------------------------------------------------------------------
@@ -110,8 +85,7 @@ def read_tree(directory: Path, target: Any) -> Any:
 def save_state(root: Path, name: str, tree: Any, meta: Mapping[str, Any]) -> str:
     """Atomically saves resumable state under ``root/state/<name>``; returns that path."""
     check_name(name)
-    base = Path(root) / "state" / name
-    base.mkdir(parents=True, exist_ok=True)
+    base = make_dirs(Path(root) / "state" / name)
     token = uuid.uuid4().hex[:16]
     tmp = base / f"tmp-{token}"
     tmp.mkdir()
@@ -119,16 +93,10 @@ def save_state(root: Path, name: str, tree: Any, meta: Mapping[str, Any]) -> str
         write_tree(tmp / "tree", tree)
         meta = dict(meta, format_version=FORMAT_VERSION, kind=STATE_KIND, name=name)
         meta["saved_at_ns"] = time.time_ns()
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f, sort_keys=True, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        atomic_write_text(tmp / "meta.json", json.dumps(meta, sort_keys=True, indent=1) + "\n")
         version = base / f"v-{token}"
-        os.replace(tmp, version)
-        _fsync_dir(base)
-        _write_text_atomic(base / _CURRENT, version.name + "\n")
+        publish_dir(tmp, version)
+        atomic_write_text(base / _CURRENT, version.name + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -208,20 +176,11 @@ def save_weights(root: Path, name: str, tensors: Mapping[str, np.ndarray], meta:
     from safetensors.numpy import save_file
 
     check_name(name)
-    directory = Path(root) / "sampler"
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"{name}.safetensors"
-    tmp = directory / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+    final = make_dirs(Path(root) / "sampler") / f"{name}.safetensors"
     metadata = {"format": SAMPLER_KIND, "format_version": str(FORMAT_VERSION)}
     metadata.update({k: json.dumps(v, sort_keys=True) for k, v in meta.items()})
-    try:
+    with atomic_path(final) as tmp:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
-        _fsync_file(tmp)
-        os.replace(tmp, final)
-        _fsync_dir(directory)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return str(final)
 
 

@@ -1,129 +1,49 @@
-"""Built-in kernels of the local trainer, delegated to `losses` terms with ``token_sum``.
+"""The local trainer's side of the built-in kernels: config policy, padded batch, metrics.
 
-Each Fireworks/Tinker kernel name maps to the `losses` constructor of the same name; the trainer
-builds a padded `losses.Batch` with ``action_mask = 1`` on every real target position of every
-sequence (0 on padding), ``advantages`` and ``sampling_logprobs = q`` (or ``weights``), so
-``reduction="token_sum"`` is exactly the kernel's raw sum over all target tokens of all sequences
-(reference/fireworks-sdk.md §4):
+The kernels themselves — inputs, ``loss_fn_config`` keys, defaults, provenance and the `losses`
+term of each — are the one kernel table, `runner._kernels`; the local trainer runs every kernel in
+it (`SUPPORTED`) as its term with ``reduction="token_sum"``. The trainer builds a padded
+`losses.Batch` with ``action_mask = 1`` on every real target position of every sequence (0 on
+padding), ``advantages`` and ``sampling_logprobs = q`` (or ``weights``), so the term is exactly
+the kernel's raw sum over all target tokens of all sequences (reference/fireworks-sdk.md §4).
 
-=======================  ================================  =======================================
-kernel                   Seq inputs (length N-1)           ``loss_fn_config`` keys (defaults)
-=======================  ================================  =======================================
-``cross_entropy``        ``weights`` (any sign)            —
-``importance_sampling``  ``logprobs`` (q), ``advantages``  ``ratio_log_cap`` (20)
-``ppo``                  ``logprobs``, ``advantages``      ``clip_low_threshold`` (0.8),
-                                                           ``clip_high_threshold`` (1.2),
-                                                           ``ratio_log_cap`` (20)
-``cispo``                ``logprobs``, ``advantages``      ``clip_low_threshold`` (0.0),
-                                                           ``clip_high_threshold`` (4.0),
-                                                           ``ratio_log_cap`` (20)
-``dro``                  ``logprobs``, ``advantages``      ``beta`` (0.05)
-=======================  ================================  =======================================
-
-Those are `runner.BUILTIN_LOSSES` (documented Tinker formulas). The Fireworks-only kernels whose
-formulas are *inferred* from the cookbook's client twins (``losses.builtin_twin`` may name them)
-are available too, as ``getattr(losses, name)(reduction="token_sum", **config)`` with the
-constructors' own defaults: ``dapo`` (``clip_low_threshold``, ``clip_high_threshold``,
-``eps_clip_c``, ``ratio_log_cap``), ``gspo`` (thresholds, ``seq_ratio_log_cap``,
-``ratio_log_cap``) and ``dppo`` (``divergence``, ``threshold``, ``ratio_log_cap``).
-
-Every kernel also accepts an optional ``target_tokens`` input, which must equal the sequence's
-own targets ``tokens[1:]``. ``ratio_log_cap`` is the clamp of ``p - q`` before ``exp`` (the terms'
-``max_log_ratio``); DRO has no ratio, so it does not take the key.
+Local specifics on top of the table's validation (`runner._kernels.resolve_config`, shared with
+every backend): ``target_logprob_support`` must be ``full_vocabulary`` (the local trainer computes
+full-vocabulary logprobs only), and ``reinforce`` rejects ``score_centering=True`` (the server's
+score centering is undocumented).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 import losses
+from runner._kernels import (
+    KERNEL_NAMES,
+    KERNELS,
+    KernelSpec,
+    check_kernel_inputs,
+    resolve_config,
+    supported,
+)
 from runner._padding import pad_ragged
-from runner._types import Seq, check_kernel_inputs
+from runner._types import Seq
 
+__all__ = [
+    "KERNELS",
+    "SUPPORTED",
+    "build_batch",
+    "check_inputs",
+    "resolve",
+    "server_metrics",
+    "term",
+]
 
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """A built-in kernel: its inputs, config keys with defaults, and its `losses` term builder.
-
-    A default of ``None`` means the `losses` constructor's own default.
-    """
-
-    name: str
-    inputs: tuple[str, ...]
-    defaults: Mapping[str, Any]
-    build: Callable[..., losses.Term]
-    formula: str = "documented"
-
-
-_RL_INPUTS = ("logprobs", "advantages")
-#: Config keys whose values are strings (all others are numbers).
-_STRING_KEYS = ("divergence",)
-
-
-def _policy(ctor):
-    def build(*, ratio_log_cap: float = 20.0, **cfg):
-        return ctor(reduction="token_sum", max_log_ratio=ratio_log_cap, **cfg)
-
-    return build
-
-
-_THRESHOLDS_NONE = {"clip_low_threshold": None, "clip_high_threshold": None}
-
-KERNELS: dict[str, Kernel] = {
-    "cross_entropy": Kernel(
-        "cross_entropy", ("weights",), {}, lambda: losses.weighted_cross_entropy()
-    ),
-    "importance_sampling": Kernel(
-        "importance_sampling",
-        _RL_INPUTS,
-        {"ratio_log_cap": 20.0},
-        _policy(losses.importance_sampling),
-    ),
-    "ppo": Kernel(
-        "ppo",
-        _RL_INPUTS,
-        {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "ratio_log_cap": 20.0},
-        _policy(losses.ppo),
-    ),
-    "cispo": Kernel(
-        "cispo",
-        _RL_INPUTS,
-        {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0, "ratio_log_cap": 20.0},
-        _policy(losses.cispo),
-    ),
-    "dro": Kernel(
-        "dro",
-        _RL_INPUTS,
-        {"beta": 0.05},
-        lambda *, beta: losses.dro(beta=beta, reduction="token_sum"),
-    ),
-    "dapo": Kernel(
-        "dapo",
-        _RL_INPUTS,
-        {**_THRESHOLDS_NONE, "eps_clip_c": None, "ratio_log_cap": 20.0},
-        _policy(losses.dapo),
-        formula="inferred",
-    ),
-    "gspo": Kernel(
-        "gspo",
-        _RL_INPUTS,
-        {**_THRESHOLDS_NONE, "seq_ratio_log_cap": 10.0, "ratio_log_cap": 20.0},
-        _policy(losses.gspo),
-        formula="inferred",
-    ),
-    "dppo": Kernel(
-        "dppo",
-        _RL_INPUTS,
-        {"divergence": "binary_tv", "threshold": None, "ratio_log_cap": 20.0},
-        _policy(losses.dppo),
-        formula="inferred",
-    ),
-}
+#: The kernels the local trainer runs: the whole table (`LocalTrainer.builtin_losses`).
+SUPPORTED = supported(*KERNEL_NAMES)
 
 #: Metric reductions (Fireworks ``name:reduction`` keys) of the terms' metrics; default ``mean``.
 _METRIC_REDUCTION = {
@@ -135,54 +55,42 @@ _METRIC_REDUCTION = {
 }
 
 
-def resolve(loss_name: str, config: Mapping[str, Any] | None) -> tuple[Kernel, tuple]:
+def resolve(loss_name: str, config: Mapping[str, Any] | None) -> tuple[KernelSpec, tuple]:
     """Validates a kernel name and its config; returns the kernel and the full frozen config.
 
     Raises:
-      ValueError: unknown kernel, unknown config key, or a non-numeric / non-finite value. Value
-        ranges are checked by the `losses` constructor (eagerly, naming the key).
+      ValueError: unknown kernel, unknown key or bad value (`runner._kernels.resolve_config`,
+        the same rules as every backend), or a valid value the local trainer cannot compute.
     """
-    if not isinstance(loss_name, str) or loss_name not in KERNELS:
-        raise ValueError(f"unknown loss {loss_name!r}; expected one of {tuple(KERNELS)}")
-    kernel = KERNELS[loss_name]
-    config = dict(config or {})
-    unknown = sorted(set(config) - set(kernel.defaults))
-    if unknown:
-        allowed = tuple(kernel.defaults) or "none"
+    full = resolve_config(loss_name, config)
+    support = full["target_logprob_support"]
+    if support != "full_vocabulary":
         raise ValueError(
-            f"{loss_name}: unknown loss_fn_config key(s) {unknown}; allowed keys: {allowed}"
+            f"{loss_name}: target_logprob_support={support!r} is not supported: the local "
+            "trainer computes full-vocabulary logprobs only"
         )
-    full = dict(kernel.defaults)
-    for key, value in config.items():
-        if key in _STRING_KEYS:
-            if not isinstance(value, str):
-                raise ValueError(f"{loss_name}: config '{key}' must be a string, got {value!r}")
-            full[key] = value
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
-            raise ValueError(f"{loss_name}: config '{key}' must be a number, got {value!r}")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"{loss_name}: config '{key}' must be finite, got {value!r}")
-        full[key] = value
-    if "ratio_log_cap" in full and not full["ratio_log_cap"] > 0:  # clearer than max_log_ratio
+    if full.get("score_centering"):
         raise ValueError(
-            f"{loss_name}: config 'ratio_log_cap' must be > 0, got {full['ratio_log_cap']}"
+            f"{loss_name}: score_centering=True is not supported by the local trainer (the "
+            "server's score centering is undocumented)"
         )
-    frozen = tuple(sorted(full.items()))
-    kernel.build(**full)  # eager validation of values by the losses constructor
-    return kernel, frozen
+    return KERNELS[loss_name], tuple(sorted(full.items()))
 
 
-def check_inputs(kernel: Kernel, seqs: Sequence[Seq]) -> None:
+def term(kernel_name: str, frozen: tuple) -> losses.Term:
+    """The kernel's `losses` term for a config frozen by `resolve`."""
+    return KERNELS[kernel_name].term(dict(frozen))
+
+
+def check_inputs(kernel: KernelSpec, seqs: Sequence[Seq]) -> None:
     """Kernel-specific input checks (after `runner.validate_seqs`); raises ``ValueError``.
 
-    See `runner._types.check_kernel_inputs` (shared with the Fireworks backend).
+    See `runner._kernels.check_kernel_inputs` (shared with the Fireworks backend).
     """
     check_kernel_inputs(seqs, kernel.inputs, kernel.name)
 
 
-def build_batch(kernel: Kernel, seqs: Sequence[Seq], rows: int, width: int, dtype) -> dict:
+def build_batch(kernel: KernelSpec, seqs: Sequence[Seq], rows: int, width: int, dtype) -> dict:
     """Host-side padded arrays for `losses.Batch` (``[rows, width]``, model dtype).
 
     ``action_mask`` is 1 on every real target of every sequence; ``weights`` (cross_entropy) or
@@ -196,7 +104,7 @@ def build_batch(kernel: Kernel, seqs: Sequence[Seq], rows: int, width: int, dtyp
         for name in kernel.inputs
     }
     fields = {"action_mask": mask}
-    if kernel.name == "cross_entropy":
+    if kernel.inputs == ("weights",):
         fields["weights"] = arrays["weights"]
     else:
         fields["advantages"] = arrays["advantages"]

@@ -41,7 +41,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import losses
-from runner._padding import pad_ragged, unpad
+from runner import _padding
+from runner._padding import CheckedSeqs, RaggedArrays, pad_ragged
 from runner._types import (
     NORMALIZATIONS,
     AdamParams,
@@ -67,19 +68,14 @@ _ARCH_FIELDS = (
 
 
 def length_bucket(n: int, max_len: int) -> int:
-    """Smallest power of two ``≥ max(n, 16)``, capped at ``max_len`` (``n ≤ max_len``)."""
-    b = MIN_LEN_BUCKET
-    while b < n:
-        b *= 2
-    return min(b, max_len)
+    """Smallest power of two ``≥ max(n, 16)``, capped at ``max_len`` (``n ≤ max_len``): the
+    runner's one length rule (`runner._padding.bucket`)."""
+    return _padding.bucket(n, cap=max_len)
 
 
 def row_bucket(n: int, num_devices: int, min_rows: int) -> int:
-    """Padded row count: ``num_devices·2^k ≥ max(n, min_rows)``."""
-    b = num_devices * max(1, -(-min_rows // num_devices))
-    while b < n:
-        b *= 2
-    return b
+    """Padded row count: ``num_devices·2^k ≥ max(n, min_rows)`` (`runner._padding.row_bucket`)."""
+    return _padding.row_bucket(n, num_devices, min_rows)
 
 
 def _x64_enabled() -> bool:
@@ -123,7 +119,7 @@ def _model_vjp_jit(n_heads: int):
 @functools.cache
 def _kernel_jit(kernel_name: str, frozen: tuple, rep: NamedSharding):
     """``(loss, metrics, dL/dlogprobs, non-zero-gradient tokens per row)`` of one kernel."""
-    term = kernels.KERNELS[kernel_name].build(**dict(frozen))
+    term = kernels.term(kernel_name, frozen)
     trace_key = f"kernel:{kernel_name}"
 
     def kernel(lp, batch):
@@ -202,9 +198,9 @@ class LocalTrainer:
     """
 
     #: Smallest padded row count of a forward/backward batch.
-    MIN_ROWS = 8
+    MIN_ROWS = _padding.MIN_ROWS
     #: Builtin kernels this trainer runs (the step planner reads this).
-    builtin_losses = tuple(kernels.KERNELS)
+    builtin_losses = kernels.SUPPORTED
 
     def __init__(self, config: LocalTrainerConfig | None = None, **overrides: Any) -> None:
         cfg = config if config is not None else LocalTrainerConfig()
@@ -296,15 +292,38 @@ class LocalTrainer:
     # -- padding ----------------------------------------------------------------------------
 
     def _pad(self, seqs: Sequence[Seq]):
+        """``(tokens[rows, width+1], lengths[rows], rows, width)`` in the runner's bucket rule.
+
+        The runner's `CheckedSeqs` keep the padded tokens, so the forward and the backward of
+        one client pass pad them once.
+        """
         lengths = np.fromiter((s.tokens.shape[0] for s in seqs), np.int32, len(seqs))
         width = length_bucket(int(lengths.max()) - 1, self.config.max_seq_len)
         rows = row_bucket(len(seqs), self.num_devices, self.MIN_ROWS)
+        cached = seqs.padded.get("tokens") if isinstance(seqs, CheckedSeqs) else None
+        if cached is not None and cached[0].shape == (rows, width + 1):
+            return cached[0], cached[1], rows, width
         tokens = pad_ragged([s.tokens for s in seqs], width + 1, rows, np.int32)
         padded_lengths = np.zeros((rows,), np.int32)
         padded_lengths[: len(seqs)] = lengths
+        if isinstance(seqs, CheckedSeqs):
+            seqs.padded["tokens"] = (tokens, padded_lengths)
         return tokens, padded_lengths, rows, width
 
-    def _validate(self, seqs: Sequence[Seq], required: Sequence[str] = ()) -> None:
+    def _validate(self, seqs: Sequence[Seq], required: Sequence[str] = ()) -> bool:
+        """Validates a direct call's sequences; returns whether the runner had checked them.
+
+        The runner's `CheckedSeqs` were validated where they entered: only this trainer's own
+        limits (vocabulary, ``max_seq_len``) are checked, on the padded tokens.
+        """
+        if isinstance(seqs, CheckedSeqs) and len(seqs):
+            tokens, lengths, _, _ = self._pad(seqs)
+            if (
+                int(tokens.min()) >= 0
+                and int(tokens.max()) < self.config.vocab_size
+                and int(lengths.max()) - 1 <= self.config.max_seq_len
+            ):
+                return True
         if isinstance(seqs, Seq) or not isinstance(seqs, Sequence):
             raise ValueError(f"expected a sequence of runner.Seq, got {type(seqs).__name__}")
         validate_seqs(
@@ -313,6 +332,7 @@ class LocalTrainer:
             vocab_size=self.config.vocab_size,
             max_len=self.config.max_seq_len,
         )
+        return False
 
     def _put_rows(self, x: np.ndarray) -> jax.Array:
         return jax.device_put(x, self._rows)
@@ -322,7 +342,8 @@ class LocalTrainer:
     def forward(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
         """Per-target logprobs of each sequence (float[N-1], the model dtype) at the current weights.
 
-        Inputs attached to the sequences are validated but otherwise ignored.
+        Inputs attached to the sequences are validated but otherwise ignored. The arrays are
+        read-only views of one padded buffer (`runner._padding.RaggedArrays`).
         """
         self._validate(seqs)
         tokens, lengths, _, _ = self._pad(seqs)
@@ -330,7 +351,7 @@ class LocalTrainer:
         lp = fn(self._params, self._put_rows(tokens), self._put_rows(lengths))
         lp = np.asarray(jax.device_get(lp), self.config.dtype)
         self.counters["forward"] += 1
-        return unpad(lp, [s.num_targets for s in seqs], copy=True)
+        return RaggedArrays(lp, [s.num_targets for s in seqs])
 
     # -- forward_backward -------------------------------------------------------------------
 
@@ -360,8 +381,8 @@ class LocalTrainer:
             non-finite inputs, empty batch, tokens outside the vocabulary or too long.
         """
         kernel, frozen = kernels.resolve(loss_name, config)
-        self._validate(seqs, required=kernel.inputs)
-        kernels.check_inputs(kernel, seqs)
+        if not self._validate(seqs, required=kernel.inputs):
+            kernels.check_inputs(kernel, seqs)
         tokens, lengths, rows, width = self._pad(seqs)
         fields = kernels.build_batch(kernel, seqs, rows, width, self._dtype)
         batch = losses.Batch(**{k: self._put_rows(v) for k, v in fields.items()})
@@ -384,7 +405,7 @@ class LocalTrainer:
         out["num_sequences:sum"] = float(len(seqs))
         lp = np.asarray(jax.device_get(lp), self.config.dtype)
         return ForwardBackwardResult(
-            logprobs=unpad(lp, [s.num_targets for s in seqs], copy=True), metrics=out
+            logprobs=RaggedArrays(lp, [s.num_targets for s in seqs]), metrics=out
         )
 
     # -- optim_step -------------------------------------------------------------------------
