@@ -162,7 +162,9 @@ class Batch:
         if extra is None:
             extra = {}
         if not isinstance(extra, Mapping):
-            raise ValueError(f"Batch field 'extra' must be a mapping of name -> array, got {extra!r}")
+            raise ValueError(
+                f"Batch field 'extra' must be a mapping of name -> array, got {extra!r}"
+            )
         for key in extra:
             if not isinstance(key, str) or not key or key.startswith("_"):
                 raise ValueError(

@@ -224,8 +224,9 @@ class ClientLoss:
             self._value_and_weights, logprobs, seqs, norms
         )
         weights = np.asarray(weights)  # the host buffer itself on CPU (read-only)
-        value, metrics = self._unpack(self._treedefs[_structure(lp_BT, batch)], packed, seqs,
-                                      logprobs, norms)
+        value, metrics = self._unpack(
+            self._treedefs[_structure(lp_BT, batch)], packed, seqs, logprobs, norms
+        )
         return value, metrics, RaggedArrays(weights, lengths)
 
     def value_and_metrics(
@@ -253,15 +254,15 @@ class ClientLoss:
         overflow of the adapter's dtype); raises ``ValueError`` naming sequence and target."""
         rows, length = self.shapes(seqs)
         kw = {} if logprobs is None else {"logprobs": [np.asarray(lp) for lp in logprobs]}
-        padded = seqs_to_batch(
-            seqs, length=length, rows=rows, norms=norms, dtype=np.float64, **kw
-        )
+        padded = seqs_to_batch(seqs, length=length, rows=rows, norms=norms, dtype=np.float64, **kw)
         lp_BT, batch = padded if logprobs is not None else (None, padded)
         try:
             losses.check_batch(batch, logprobs=lp_BT, dtype=self.dtype)
         except ValueError as exc:
             msg = str(exc).replace("[row ", "[sequence ").replace("at row ", "at sequence ")
-            raise ValueError(f"client loss input: {msg.replace(', column ', ', target ')}") from None
+            raise ValueError(
+                f"client loss input: {msg.replace(', column ', ', target ')}"
+            ) from None
 
     def _run(self, fn, logprobs, seqs, norms):
         """Pads ``logprobs`` and the fields into reused aligned buffers and runs ``fn``."""

@@ -222,9 +222,7 @@ class StepRunner:
         if num_microbatches > len(seqs):
             raise ValueError(f"num_microbatches={num_microbatches} exceeds {len(seqs)} sequences")
         plan = self.plan(trainer)
-        if plan.all_targets_actions and not all(
-            np.all(s.inputs["action_mask"] > 0) for s in seqs
-        ):
+        if plan.all_targets_actions and not all(np.all(s.inputs["action_mask"] > 0) for s in seqs):
             # e.g. the builtin dro applies its quadratic at every target: exact only if all are
             # actions.
             if self.mode != "auto":
@@ -297,7 +295,10 @@ class StepRunner:
         metrics["server_loss"] = server_loss
         for w in aux:
             ce = CheckedSeqs(
-                [s.with_inputs(weights=w[i, :n]) for i, (s, n) in enumerate(zip(chunk, lengths))],
+                [
+                    s.with_inputs(weights=w[i, :n])
+                    for i, (s, n) in enumerate(zip(chunk, lengths, strict=True))
+                ],
                 chunk.padded,
             )
             chunk.padded["weights"] = w

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from runner._atomic import atomic_path
 
 
 def _series(records, key):
@@ -46,9 +47,9 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> Path:
     ax_n.legend(loc="upper right")
     ax_n.grid(alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=80)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=80)
+    finally:
+        plt.close(fig)
     return path

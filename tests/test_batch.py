@@ -69,7 +69,10 @@ def test_jit_accepts_batch():
         (dict(weights=np.ones((3, 3))), r"'weights' has shape \(3, 3\)"),
         (dict(advantages=np.ones(3)), r"'advantages' has shape \(3,\), expected \[B\]"),
         (dict(num_rows=np.ones(2)), "'num_rows' must be a 0-d array"),
-        (dict(extra={"lens": np.ones(5)}), "extra field 'lens' has leading dimension 5, expected B=2"),
+        (
+            dict(extra={"lens": np.ones(5)}),
+            "extra field 'lens' has leading dimension 5, expected B=2",
+        ),
         (dict(extra={"_private": np.ones(2)}), "not starting with '_'"),
         (dict(extra={"obs_mask": np.ones((2, 3))}), "shadows the explicit field"),
         (dict(extra=np.ones(2)), "'extra' must be a mapping"),
@@ -257,7 +260,9 @@ def _perturb(name, value, rng):
         return 1.0 - value if name == "obs_mask" else value  # masks: see the caller
     if name.startswith("num_"):
         return value + 3.0
-    return value + rng.uniform(0.1, 0.5, np.shape(value)) * np.sign(rng.normal(size=np.shape(value)))
+    return value + rng.uniform(0.1, 0.5, np.shape(value)) * np.sign(
+        rng.normal(size=np.shape(value))
+    )
 
 
 def _outputs(term, lp, fields):
@@ -349,11 +354,19 @@ def _bad_batches():
     yield "half mask", dict(base, action_mask=np.array([[0.0, 0.5, 1], [1, 0, 0]])), None
     yield "mask of 2", dict(base, obs_mask=np.array([[2.0, 0, 0], [0, 1, 0]])), None
     yield "overlap", dict(base, obs_mask=np.array([[0.0, 1, 0], [0, 0, 0]])), None
-    yield "positive anchor", dict(base, sampling_logprobs=np.array([[0.0, 0.3, -2], [0, 0, 0]])), None
+    yield (
+        "positive anchor",
+        dict(base, sampling_logprobs=np.array([[0.0, 0.3, -2], [0, 0, 0]])),
+        None,
+    )
     yield "inf advantage", dict(base, advantages=np.array([np.inf, 1.0])), None
     yield "nan weight", dict(base, weights=np.array([[0.0, np.nan, 0], [0, 0, 0]])), None
     yield "positive logprob", base, np.array([[-1.0, 0.5, -1], [-1, -1, -1]])
-    yield "masked garbage", dict(base, advantages=np.array([[np.nan, 1, 1], [1, np.nan, np.nan]])), np.array([[-1.0, -1, -1], [-1, -1, 5.0]])
+    yield (
+        "masked garbage",
+        dict(base, advantages=np.array([[np.nan, 1, 1], [1, np.nan, np.nan]])),
+        np.array([[-1.0, -1, -1], [-1, -1, 5.0]]),
+    )
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -365,16 +378,22 @@ def test_count_violations_agrees_with_check_batch(dtype):
             valid = True
         except ValueError:
             valid = False
-        count = int(jax.jit(losses.count_violations)(b, None if lp is None else np.asarray(lp, dtype)))
+        count = int(
+            jax.jit(losses.count_violations)(b, None if lp is None else np.asarray(lp, dtype))
+        )
         assert (count == 0) == valid, label
 
 
 def test_values_that_overflow_float32_are_rejected_naming_the_rule():
     b = good(advantages=np.array([1e39, 1.0]))
     losses.check_batch(b)  # finite in float64, the batch's own dtype
-    with pytest.raises(ValueError, match=r"advantages\[row 0\] = 1e\+39: advantages overflows float32"):
+    with pytest.raises(
+        ValueError, match=r"advantages\[row 0\] = 1e\+39: advantages overflows float32"
+    ):
         losses.check_batch(b, dtype=np.float32)
-    with pytest.raises(ValueError, match=r"weights\[row 1, column 2\] = -1e\+40: weights overflows"):
+    with pytest.raises(
+        ValueError, match=r"weights\[row 1, column 2\] = -1e\+40: weights overflows"
+    ):
         losses.check_batch(good(weights=np.array([[0.0, 0, 0], [0, 0, -1e40]])), dtype=np.float32)
 
 

@@ -185,3 +185,46 @@ def test_adapter_errors_name_sequence_and_field():
         client(trainer, partial)
     with pytest.raises(ValueError, match="term must be callable"):
         ClientLoss(3)
+
+
+def test_value_and_weights_rejects_what_check_batch_rejects():
+    """``ClientLoss`` on ``action_mask=[0, .5, 1, 0]`` returned 0.029; every value rule of
+    `losses.check_batch` now holds inside the jitted call, and the error names the entry."""
+    client = ClientLoss(losses.grpo())
+    tokens = np.arange(5)
+    good = dict(
+        action_mask=np.array([0.0, 1, 1, 0]),
+        advantages=np.array([0.0, 1, 1, 0]),
+        sampling_logprobs=np.array([0.0, -0.5, -1, 0]),
+    )
+    lp = [np.array([-1.0, -0.4, -1.2, -2.0], np.float32)]
+    value, _, _ = client.value_and_weights(lp, [Seq(tokens, good)])
+    assert np.isfinite(value)
+    cases = [
+        (
+            dict(action_mask=np.array([0.0, 0.5, 1, 0])),
+            r"action_mask\[sequence 0, target 1\] = 0.5",
+        ),
+        (dict(obs_mask=np.array([0.0, 1, 0, 0])), "overlap at sequence 0, target 1"),
+        (
+            dict(sampling_logprobs=np.array([0.0, 0.2, -1, 0])),
+            r"sampling_logprobs\[sequence 0, target 1\] = 0.2 > 0",
+        ),
+        (
+            dict(advantages=np.array([0.0, 1e39, 1, 0])),
+            r"advantages\[sequence 0, target 1\] = 1e\+39: advantages overflows float32",
+        ),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            client.value_and_weights(lp, [Seq(tokens, dict(good, **change))])
+    with pytest.raises(ValueError, match=r"logprobs\[sequence 0, target 2\] = 0.7 > 0"):
+        client.value_and_weights(
+            [np.array([-1.0, -0.4, 0.7, -2.0], np.float32)], [Seq(tokens, good)]
+        )
+    with pytest.raises(ValueError, match="num_rows = -1.0: normalizers"):
+        client.value_and_weights(
+            lp,
+            [Seq(tokens, good)],
+            {"num_rows": -1.0, "num_action_tokens": 2.0, "num_obs_tokens": 0.0},
+        )

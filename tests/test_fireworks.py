@@ -33,6 +33,7 @@ from fireworks.training.sdk.trainer import TrainerJobManager
 import losses
 import runner
 from runner import AdamParams, Seq, StepRunner, make_seq
+from runner._types import VALIDATIONS
 from runner._kernels import KERNELS
 from runner.config import load_config
 from runner.fireworks import (
@@ -288,7 +289,13 @@ def test_step_paths_match_the_local_trainer(tmp_path, term, mode, plan, passes):
     seqs = rl_seqs(seed=1)
     t = term()
     for _ in range(2):
+        before = VALIDATIONS["validate_seqs"]
+        calls = world.counters["forward"] + world.counters["forward_backward"]
         m_fw = StepRunner(t, mode=mode).step(trainer, seqs, ADAM, num_microbatches=2)
+        # Once per step on the client side of this backend too (the fake server, a LocalTrainer
+        # behind the SDK types, validates each request it receives, as a real server would).
+        served = world.counters["forward"] + world.counters["forward_backward"] - calls
+        assert VALIDATIONS["validate_seqs"] - before == 1 + served
         m_local = StepRunner(t, mode=mode).step(local, seqs, ADAM, num_microbatches=2)
     assert m_fw[f"plan/{plan}"] == 1.0
     assert (m_fw["passes/forwards"], m_fw["passes/backwards"]) == passes
@@ -414,7 +421,7 @@ def _ppo_seq(**override):
         ([_ppo_seq(advantages=[0.0, np.nan, 1.0])], "ppo",
          r"sequence 0: field 'advantages' has a non-finite value nan at target 1"),
         ([_ppo_seq(advantages=[0.0, 1e39, 1.0])], "ppo",
-         r"sequence 0: field 'advantages' value 1e\+39 at target 1 is not a finite float32"),
+         r"sequence 0: field 'advantages' value 1e\+39 at target 1 overflows float32"),
         ([_ppo_seq(advantages=[0.0, 1.0])], "ppo",
          r"sequence 0: field 'advantages' has shape \(2,\), expected \(3,\)"),
         ([_ppo_seq(advantages=np.array([False, True, True]))], "ppo",

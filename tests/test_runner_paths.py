@@ -234,11 +234,27 @@ def _bad_cases(seqs):
     positive[t_act] = 0.3
     huge = np.asarray(s.inputs["advantages"]).copy()
     huge[t_act] = 1e39
-    yield "half mask", _edit(seqs, 1, action_mask=half), rf"action_mask\[sequence 1, target {t_act}\] = 0.5: masks must hold only 0 or 1"
-    yield "mask of 2", _edit(seqs, 1, obs_mask=two), rf"obs_mask\[sequence 1, target {t_obs}\] = 2: masks"
+    yield (
+        "half mask",
+        _edit(seqs, 1, action_mask=half),
+        rf"action_mask\[sequence 1, target {t_act}\] = 0.5: masks must hold only 0 or 1",
+    )
+    yield (
+        "mask of 2",
+        _edit(seqs, 1, obs_mask=two),
+        rf"obs_mask\[sequence 1, target {t_obs}\] = 2: masks",
+    )
     yield "overlap", _edit(seqs, 1, obs_mask=overlap), rf"overlap at sequence 1, target {t_act}"
-    yield "positive logprob", _edit(seqs, 1, sampling_logprobs=positive), rf"sampling_logprobs\[sequence 1, target {t_act}\] = 0.3 > 0"
-    yield "float32 overflow", _edit(seqs, 1, advantages=huge), rf"sequence 1: field 'advantages' value 1e\+39 at target {t_act} overflows float32"
+    yield (
+        "positive logprob",
+        _edit(seqs, 1, sampling_logprobs=positive),
+        rf"sampling_logprobs\[sequence 1, target {t_act}\] = 0.3 > 0",
+    )
+    yield (
+        "float32 overflow",
+        _edit(seqs, 1, advantages=huge),
+        rf"sequence 1: field 'advantages' value 1e\+39 at target {t_act} overflows float32",
+    )
 
 
 @pytest.mark.parametrize("path, mode, term", PATHS, ids=[p for p, _, _ in PATHS])
@@ -261,9 +277,13 @@ def test_direct_trainer_calls_reject_values_that_overflow_float32():
     optim_step made every parameter NaN, even with grad_clip_norm=1."""
     trainer = make_trainer("float32")
     seq = Seq(np.arange(6) % VOCAB, dict(weights=np.array([0.0, 1e39, 0, 0, 0])))
-    with pytest.raises(ValueError, match="field 'weights' value 1e\\+39 at target 1 overflows float32"):
+    with pytest.raises(
+        ValueError, match="field 'weights' value 1e\\+39 at target 1 overflows float32"
+    ):
         trainer.forward_backward([seq], "cross_entropy")
-    rl = Seq(np.arange(6), dict(logprobs=np.full(5, -1.0), advantages=np.array([0, 0, -1e39, 0, 0])))
+    rl = Seq(
+        np.arange(6), dict(logprobs=np.full(5, -1.0), advantages=np.array([0, 0, -1e39, 0, 0]))
+    )
     with pytest.raises(ValueError, match="field 'advantages' value -1e\\+39 at target 2 overflows"):
         trainer.forward_backward([rl], "importance_sampling")
     assert trainer.accumulated_grads() is None
@@ -293,7 +313,10 @@ def test_float16_masks_give_the_float64_loss_on_the_client_path():
     trainer = make_trainer("float32")
     seqs = make_seqs(trainer, seed=7)
     half = [
-        Seq(s.tokens, {k: (v.astype(np.float16) if k.endswith("_mask") else v) for k, v in s.inputs.items()})
+        Seq(
+            s.tokens,
+            {k: (v.astype(np.float16) if k.endswith("_mask") else v) for k, v in s.inputs.items()},
+        )
         for s in seqs
     ]
     lps = trainer.forward([s.with_inputs() for s in seqs])

@@ -18,6 +18,7 @@ import numpy as np
 from fireworks.training.sdk import types
 
 from runner._kernels import GENERIC_KEYS, KERNELS, check_kernel_inputs, resolve_config, supported
+from runner._padding import CheckedSeqs
 from runner._types import Seq, validate_seqs
 
 #: The builtin kernels `FireworksTrainer` uses by default, declared from the kernel table
@@ -117,6 +118,7 @@ def to_datum(
     fields: Sequence[str] = (),
     *,
     model_input: types.ModelInput | None = None,
+    checked: bool = False,
 ) -> types.Datum:
     """One `Seq` as an SDK ``Datum`` (validate first with `to_datums`).
 
@@ -125,6 +127,7 @@ def to_datum(
       index: its position, for error messages.
       fields: per-token inputs to send (float32); ``target_tokens`` is always sent (int64).
       model_input: a ``ModelInput`` to reuse (default: built from ``seq.tokens[:-1]``).
+      checked: the runner validated the values (float32-finite): convert without re-checking.
 
     Returns:
       ``Datum`` with ``loss_fn_inputs = {"target_tokens", *fields}``.
@@ -133,7 +136,12 @@ def to_datum(
     targets = tokens[1:] if tokens.dtype == np.int64 else tokens[1:].astype(np.int64)
     inputs = {"target_tokens": types.TensorData.from_numpy(targets)}
     for name in fields:
-        inputs[name] = types.TensorData.from_numpy(_field_array(seq, index, name))
+        arr = (
+            np.asarray(seq.inputs[name], np.float32)
+            if checked
+            else _field_array(seq, index, name)
+        )
+        inputs[name] = types.TensorData.from_numpy(arr)
     if model_input is None:
         model_input = types.ModelInput.from_ints(tokens[:-1].tolist())
     return types.Datum(model_input=model_input, loss_fn_inputs=inputs)
@@ -177,17 +185,27 @@ def to_datums(
     """
     if isinstance(seqs, Seq) or not isinstance(seqs, Sequence):
         raise ValueError(f"expected a sequence of runner.Seq, got {type(seqs).__name__}")
+    # The runner's own path (`CheckedSeqs`) was validated where the data entered; only this
+    # trainer's limits (token ids >= 0, max_seq_len) are checked again.
+    checked = isinstance(seqs, CheckedSeqs)
     seqs = [_host_seq(s) if isinstance(s, Seq) else s for s in seqs]
-    validate_seqs(seqs, required=fields, max_len=max_seq_len)
+    if not checked:
+        validate_seqs(seqs, required=fields, max_len=max_seq_len)
     for i, seq in enumerate(seqs):
         if seq.tokens.min() < 0:
             t = int(np.argmin(seq.tokens))
             raise ValueError(f"sequence {i}: token {int(seq.tokens[t])} at position {t} is < 0")
-    check_fields(seqs, fields, loss_name)
+        if checked and max_seq_len is not None and seq.tokens.shape[0] - 1 > max_seq_len:
+            raise ValueError(
+                f"sequence {i}: model-input length {seq.tokens.shape[0] - 1} exceeds "
+                f"max_seq_len={max_seq_len}"
+            )
+    if not checked:
+        check_fields(seqs, fields, loss_name)
     out = []
     for i, seq in enumerate(seqs):
         mi = cache.get(seq.tokens) if cache is not None else None
-        out.append(to_datum(seq, i, fields, model_input=mi))
+        out.append(to_datum(seq, i, fields, model_input=mi, checked=checked))
     return out
 
 

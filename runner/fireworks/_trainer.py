@@ -34,6 +34,7 @@ from fireworks.training.sdk import types
 from fireworks.training.sdk.client import GradAccNormalization
 
 from runner._atomic import atomic_write_json
+from runner._padding import CheckedSeqs
 from runner._types import NORMALIZATIONS, AdamParams, ForwardBackwardResult, Sample, Seq
 from runner.checkpoints import CheckpointError
 from runner.fireworks._controlplane import (
@@ -221,8 +222,10 @@ class FireworksTrainer:
         Datums carry ``target_tokens`` and all-zero ``weights`` (as the SDK's own custom-loss
         forward sends them); other inputs attached to the sequences are ignored.
         """
+        checked = isinstance(seqs, CheckedSeqs)  # the runner's path: validated where it entered
         seqs = [s.with_inputs() if s.inputs else s for s in _as_list(seqs)]
         zero = [s.with_inputs(weights=np.zeros(s.num_targets, np.float32)) for s in seqs]
+        zero = CheckedSeqs(zero) if checked else zero
         datums = to_datums(
             zero, ("weights",), max_seq_len=self.max_seq_len, cache=self._model_inputs
         )
@@ -686,7 +689,7 @@ def _close_quietly(obj: Any) -> None:
 def _as_list(seqs: Any) -> list[Seq]:
     if isinstance(seqs, Seq) or not isinstance(seqs, Sequence):
         raise ValueError(f"expected a sequence of runner.Seq, got {type(seqs).__name__}")
-    return list(seqs)
+    return seqs if isinstance(seqs, CheckedSeqs) else list(seqs)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:

@@ -29,7 +29,7 @@ from runner._kernels import (
     resolve_config,
     supported,
 )
-from runner._padding import pad_ragged
+from runner._padding import CheckedSeqs, pad_ragged
 from runner._types import Seq
 
 __all__ = [
@@ -94,15 +94,21 @@ def build_batch(kernel: KernelSpec, seqs: Sequence[Seq], rows: int, width: int, 
     """Host-side padded arrays for `losses.Batch` (``[rows, width]``, model dtype).
 
     ``action_mask`` is 1 on every real target of every sequence; ``weights`` (cross_entropy) or
-    ``advantages`` and ``sampling_logprobs`` (RL kernels) are the Seq inputs, 0 on padding.
+    ``advantages`` and ``sampling_logprobs`` (RL kernels) are the Seq inputs, 0 on padding. The
+    runner's `CheckedSeqs` carry these inputs already padded in the same bucket (the client
+    loss's weights, the folded advantages): they are used as they are, not padded again.
     """
     n = np.fromiter((s.num_targets for s in seqs), np.int64, len(seqs))
     mask = np.zeros((rows, width), dtype)
     mask[: len(seqs)] = np.arange(width)[None, :] < n[:, None]
-    arrays = {
-        name: pad_ragged([s.inputs[name] for s in seqs], width, rows, dtype)
-        for name in kernel.inputs
-    }
+    given = seqs.padded if isinstance(seqs, CheckedSeqs) else {}
+    arrays = {}
+    for name in kernel.inputs:
+        buf = given.get(name)
+        if isinstance(buf, np.ndarray) and buf.shape == (rows, width) and buf.dtype == dtype:
+            arrays[name] = buf
+        else:
+            arrays[name] = pad_ragged([s.inputs[name] for s in seqs], width, rows, dtype)
     fields = {"action_mask": mask}
     if kernel.inputs == ("weights",):
         fields["weights"] = arrays["weights"]
