@@ -176,21 +176,3 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     tmp.replace(path)
     print(f"\nwrote {path}")
     return path
-
-
-def turn_kinds(rng, n: int, start: int, action_turn: tuple[int, int], obs_turn: tuple[int, int]):
-    """int8[n] token kinds of a multi-turn sequence: 0 before ``start`` (prompt), then
-    alternating action (1) and observation (2) turns with lengths drawn from
-    ``rng.integers(*action_turn)`` and ``rng.integers(*obs_turn)``."""
-    import numpy as np
-
-    kind = np.zeros(n, np.int8)
-    t = start
-    while t < n:
-        a = int(rng.integers(*action_turn))
-        kind[t : t + a] = 1
-        t += a
-        o = int(rng.integers(*obs_turn))
-        kind[t : t + o] = 2
-        t += o
-    return kind

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
+import synthetic  # noqa: E402
 
 _common.setup()
 
@@ -42,27 +43,18 @@ def random_step(rng: np.random.Generator, max_rows: int, max_len: int) -> list[S
     """One step's sequences: prompt, then alternating action / observation turns."""
     n = int(rng.integers(1, max_rows + 1))
     scale = int(rng.integers(8, max_len + 1))
-    seqs = []
-    for _ in range(n):
-        length = int(rng.integers(max(scale // 2, 2), scale + 1))  # tokens
-        t_count = length - 1
-        start = min(int(rng.integers(1, 8)), t_count)
-        kind = _common.turn_kinds(rng, t_count, start, (2, 12), (1, 8))
-        action = (kind == 1).astype(np.float64)
-        if not action.any():
-            action[-1], kind[-1] = 1.0, 1
-        seqs.append(
-            Seq(
-                rng.integers(0, VOCAB, length).astype(np.int64),
-                dict(
-                    action_mask=action,
-                    obs_mask=(kind == 2).astype(np.float64),
-                    advantages=float(rng.normal()) * action,
-                    sampling_logprobs=-rng.uniform(1.0, 5.0, t_count) * action,
-                    ref_logprobs=-rng.uniform(1.0, 5.0, t_count) * action,
-                ),
-            )
-        )
+    seqs, _ = synthetic.multi_turn_seqs(
+        rng,
+        n,
+        lengths=(max(scale // 2, 2), scale + 1),
+        start=(1, 8),
+        action_turn=(2, 12),
+        obs_turn=(1, 8),
+        ensure_action=True,
+        vocab=VOCAB,
+        with_ref=True,
+        anchors=(1.0, 5.0),
+    )
     return seqs
 
 

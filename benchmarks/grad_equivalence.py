@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
+import synthetic  # noqa: E402
 
 _common.setup()
 
@@ -43,6 +44,7 @@ import numpy as np  # noqa: E402
 
 import losses  # noqa: E402
 from runner import Seq, StepRunner  # noqa: E402
+from runner._padding import pad_fields, pad_ragged  # noqa: E402
 from runner.env import CalcEnv, expert_trajectory, tokenizer, trajectory_to_seq  # noqa: E402
 from runner.local import LocalTrainer, LocalTrainerConfig  # noqa: E402
 
@@ -103,42 +105,28 @@ def make_seqs(trainer: LocalTrainer, trajs, seed: int) -> list[Seq]:
     ``sampling_logprobs`` = current logprobs + N(0, 0.3) on action tokens, per-sequence
     advantages ~ N(0, 1), ``ref_logprobs`` = current - 0.1; ``obs_mask`` = observation bodies.
     """
-    rng = np.random.default_rng(seed)
     base = [trajectory_to_seq(t) for t in trajs]
-    fwd = trainer.forward([s.with_inputs() for s in base])
-    trainer.counters.update(forward=0, backward=0)
-    out = []
-    for s, lp in zip(base, fwd, strict=True):
-        action = s.inputs["action_mask"]
-        lp = np.asarray(lp, np.float64)
-        out.append(
-            Seq(
-                s.tokens,
-                dict(
-                    action_mask=action,
-                    obs_mask=s.inputs["obs_mask"],
-                    advantages=float(rng.normal()) * action,
-                    sampling_logprobs=np.minimum(lp + rng.normal(0.0, 0.3, lp.shape), 0.0) * action,
-                    ref_logprobs=np.minimum(lp - 0.1, 0.0) * action,
-                ),
-            )
-        )
-    return out
+    seqs, _ = synthetic.multi_turn_seqs(
+        np.random.default_rng(seed),
+        layouts=base,
+        trainer=trainer,
+        sampling_noise=0.3,
+        with_ref=True,
+        ref_offset=0.1,
+    )
+    return seqs
+
+
+FIELDS = ("action_mask", "obs_mask", "advantages", "sampling_logprobs", "ref_logprobs")
 
 
 def padded(seqs: list[Seq], dtype) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """Tokens ``[B, W]``, lengths ``[B]`` and per-target fields ``[B, W-1]`` (zero padded)."""
     rows, width = len(seqs), max(s.tokens.shape[0] for s in seqs)
-    tokens = np.zeros((rows, width), np.int64)
+    tokens = pad_ragged([s.tokens for s in seqs], width, rows, np.int64)
     lengths = np.array([s.tokens.shape[0] for s in seqs])
-    fields = {
-        name: np.zeros((rows, width - 1), dtype)
-        for name in ("action_mask", "obs_mask", "advantages", "sampling_logprobs", "ref_logprobs")
-    }
-    for i, s in enumerate(seqs):
-        tokens[i, : s.tokens.shape[0]] = s.tokens
-        for name, arr in fields.items():
-            arr[i, : s.num_targets] = s.inputs[name]
+    columns = [[s.inputs[name] for s in seqs] for name in FIELDS]
+    fields = dict(zip(FIELDS, pad_fields(columns, width - 1, rows, dtype), strict=True))
     return tokens, lengths, fields
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
+import synthetic  # noqa: E402
 
 _common.setup()
 
@@ -81,28 +82,20 @@ def make_term():
 
 def make_batch(num: int, length: int, seed: int = 0) -> tuple[list[Seq], list[np.ndarray]]:
     """``num`` ragged sequences (targets uniform in [length/2, length], the first = length)."""
-    rng = np.random.default_rng(seed)
-    seqs, lps = [], []
-    for i in range(num):
-        n = length if i == 0 else int(rng.integers(length // 2, length + 1))
-        # 0 prompt / wrapper, 1 action, 2 observation; targets 0..126 are prompt tokens 1..127
-        kind = _common.turn_kinds(rng, n, PROMPT - 1, (16, 257), (8, 129))
-        action = (kind == 1).astype(np.float64)
-        lp = -rng.exponential(1.0, n).astype(np.float32)
-        seqs.append(
-            Seq(
-                np.zeros(n + 1, np.int64),
-                dict(
-                    action_mask=action,
-                    obs_mask=(kind == 2).astype(np.float64),
-                    advantages=float(rng.normal()) * action,
-                    sampling_logprobs=np.minimum(lp + rng.normal(0.0, 0.1, n), 0.0) * action,
-                    ref_logprobs=np.minimum(lp - 0.05, 0.0) * action,
-                ),
-            )
-        )
-        lps.append(lp)
-    return seqs, lps
+    # 0 prompt / wrapper, 1 action, 2 observation; targets 0..126 are prompt tokens 1..127
+    return synthetic.multi_turn_seqs(
+        np.random.default_rng(seed),
+        num,
+        lengths=(length // 2 + 1, length + 2),  # tokens = targets + 1
+        first_length=length + 1,
+        start=PROMPT - 1,
+        action_turn=(16, 257),
+        obs_turn=(8, 129),
+        logprobs="exponential",
+        sampling_noise=0.1,
+        with_ref=True,
+        ref_offset=0.05,
+    )
 
 
 # -- foldloss -------------------------------------------------------------------------------------

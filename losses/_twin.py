@@ -18,7 +18,8 @@ def builtin_twin(term: Any) -> tuple[str, dict[str, Any]] | None:
     loss is positively homogeneous in ``A`` — true of ``importance_sampling``, ``ppo``,
     ``cispo``, ``dapo``, ``gspo``, ``dppo`` and ``grpo`` without KL, for every reduction. The
     config's keys are the terms' own keyword names, so ``getattr(losses, name)(reduction=
-    "token_sum", **config)`` rebuilds the kernel as a term. Each constructor decides its twin
+    "token_sum", **config)`` rebuilds the kernel as a term (``reinforce`` with
+    ``ratio_weight=True``). Each constructor decides its twin
     and attaches it to the term (`Term.twin`, a `losses.Twin`); this function only reads it.
 
     ==========================  ===================================================  =========

@@ -1,4 +1,6 @@
-"""Shared hypothesis strategies. Shapes come from a few fixed sizes so jit compiles stay few."""
+"""Shared hypothesis strategies. Shapes come from a few fixed sizes so jit compiles stay few.
+
+The term configurations the properties run over are the case registry, tests/cases.py."""
 
 from __future__ import annotations
 
@@ -47,25 +49,6 @@ def batches(draw, shapes=SHAPES, token_advantages=None, with_obs=True, allow_emp
         weights=weights,
     )
     return lp, batch
-
-
-GRPO_CONFIGS = [
-    dict(),
-    dict(clip_low=0.2, clip_high=0.28, reduction="seq_mean_token_mean"),
-    dict(dual_clip=3.0, reduction="seq_mean_token_sum"),
-    dict(kl_coef=0.1, kl_estimator="k1", reduction="token_sum"),
-    dict(kl_coef=0.05, kl_estimator="k2", reduction="seq_mean_token_sum_norm", max_tokens=16),
-    dict(kl_coef=0.2, kl_estimator="k3", dual_clip=1.5, clip_low=0.1, clip_high=0.3),
-]
-ENV_CONFIGS = [
-    dict(),
-    dict(coef=1.0, normalization="token_mean"),
-    dict(coef=0.3, normalization="token_sum"),
-]
-SFT_CONFIGS = [
-    dict(reduction=r, max_tokens=8 if r == "seq_mean_token_sum_norm" else None)
-    for r in losses.REDUCTIONS
-]
 
 
 @st.composite

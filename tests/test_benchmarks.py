@@ -198,3 +198,64 @@ def test_torch_closures_compute_the_foldloss_term():
     finally:
         cookbook.restore()
         tuned.restore()
+
+
+def test_synthetic_multi_turn_seqs():
+    # benchmarks/synthetic.py: the one synthetic multi-turn factory of the benchmarks and tests.
+    import numpy as np
+
+    from tests.fakes import BigramTrainer
+
+    make = load("synthetic").multi_turn_seqs
+    kw = dict(lengths=(14, 40), obs_turn=(1, 5), gap=1, vocab=8, with_ref=True)
+    seqs, lps = make(np.random.default_rng(0), 5, **kw)
+    again, _ = make(np.random.default_rng(0), 5, **kw)
+    assert lps is None  # no logprobs: anchors -U(1, 5)
+    for s, t in zip(seqs, again, strict=True):
+        np.testing.assert_array_equal(s.tokens, t.tokens)
+        for name in ("action_mask", "obs_mask", "advantages", "sampling_logprobs", "ref_logprobs"):
+            np.testing.assert_array_equal(s.inputs[name], t.inputs[name])
+    for s in seqs:
+        action, obs = s.inputs["action_mask"], s.inputs["obs_mask"]
+        assert 14 <= s.tokens.shape[0] < 40 and action.shape == obs.shape == (s.num_targets,)
+        assert not np.any(action * obs) and 3 <= np.flatnonzero(action)[0] < 6
+        kind = action + 2 * obs
+        ends = np.flatnonzero((kind[:-1] == 2) & (kind[1:] != 2))
+        assert np.all(kind[ends + 1] == 0)  # one wrapper target after each observation turn
+        sampling = s.inputs["sampling_logprobs"]
+        assert np.all(sampling[action == 0] == 0) and np.all(sampling[action > 0] <= -1)
+    # Synthetic float32 logprobs, a fixed first length and prompt; anchors near the logprobs.
+    seqs, lps = make(
+        np.random.default_rng(1),
+        3,
+        lengths=(20, 30),
+        first_length=31,
+        start=4,
+        logprobs="exponential",
+        sampling_noise=0.1,
+        with_ref=True,
+        ref_offset=0.05,
+    )
+    assert seqs[0].tokens.shape[0] == 31 and not np.any(seqs[0].tokens)
+    for s, lp in zip(seqs, lps, strict=True):
+        action = s.inputs["action_mask"]
+        assert lp.dtype == np.float32 and lp.shape == (s.num_targets,)
+        assert np.flatnonzero(action)[0] == 4
+        np.testing.assert_array_equal(s.inputs["ref_logprobs"], np.minimum(lp - 0.05, 0) * action)
+    # A prompt longer than the sequence: ensure_action makes the last target an action.
+    seqs, _ = make(np.random.default_rng(2), 3, lengths=(3, 6), start=9, ensure_action=True)
+    assert all(
+        np.flatnonzero(s.inputs["action_mask"]).tolist() == [s.num_targets - 1] for s in seqs
+    )
+    # Logprobs from a trainer's forward (not counted), around given layouts.
+    trainer = BigramTrainer(vocab=8)
+    seqs, lps = make(np.random.default_rng(3), layouts=seqs, trainer=trainer, with_ref=True)
+    assert trainer.counters["forward"] == 0
+    for s, lp in zip(seqs, lps, strict=True):
+        action = s.inputs["action_mask"]
+        assert lp.dtype == np.float64
+        np.testing.assert_array_equal(s.inputs["ref_logprobs"], np.minimum(lp - 0.1, 0) * action)
+    with pytest.raises(ValueError, match="give n or layouts"):
+        make(np.random.default_rng(0))
+    with pytest.raises(ValueError, match="logprobs must be None or 'exponential'"):
+        make(np.random.default_rng(0), 2, logprobs="normal")

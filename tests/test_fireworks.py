@@ -32,9 +32,10 @@ from fireworks.training.sdk.trainer import TrainerJobManager
 
 import losses
 import runner
+from benchmarks.synthetic import multi_turn_seqs
 from runner import AdamParams, Seq, StepRunner, make_seq
-from runner._types import VALIDATIONS
 from runner._kernels import KERNELS
+from runner._types import VALIDATIONS
 from runner.config import load_config
 from runner.fireworks import (
     BUILTIN_LOSSES,
@@ -53,7 +54,6 @@ from tests.fireworks_fake import (
     FakeSamplingClient,
     FakeTrainingClient,
 )
-from tests.helpers import multi_turn_seqs
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 24
@@ -83,14 +83,16 @@ def make_fw(tmp_path, **kw) -> tuple[FakeFireworks, FireworksTrainer]:
 
 def rl_seqs(seed: int = 0, n: int = 6) -> list[Seq]:
     """Prompt / action / observation turns with sampling logprobs near the initial policy."""
-    return multi_turn_seqs(
-        LocalTrainer(CFG),
+    seqs, _ = multi_turn_seqs(
         np.random.default_rng(seed),
-        n=n,
-        vocab=VOCAB,
+        n,
         lengths=(12, 30),
-        obs_max=4,
+        obs_turn=(1, 4),
+        gap=1,  # one wrapper token after each observation
+        vocab=VOCAB,
+        trainer=LocalTrainer(CFG),
     )
+    return seqs
 
 
 def assert_params_equal(a, b, atol=0.0):

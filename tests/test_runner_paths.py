@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import losses
+from benchmarks.synthetic import multi_turn_seqs
 from runner import Seq, StepRunner
 from runner.local import LocalTrainer, LocalTrainerConfig
-from tests.helpers import multi_turn_seqs
 
 VOCAB = 24
 
@@ -42,15 +42,17 @@ def make_trainer(dtype: str) -> LocalTrainer:
 
 def make_seqs(trainer: LocalTrainer, seed: int = 0, n: int = 6) -> list[Seq]:
     """Prompt / action / observation turns with sampling logprobs near the current policy."""
-    return multi_turn_seqs(
-        trainer,
+    seqs, _ = multi_turn_seqs(
         np.random.default_rng(seed),
-        n=n,
-        vocab=VOCAB,
+        n,
         lengths=(14, 40),
-        obs_max=5,
+        obs_turn=(1, 5),
+        gap=1,  # one wrapper token after each observation
+        vocab=VOCAB,
+        trainer=trainer,
         with_ref=True,
     )
+    return seqs
 
 
 def direct_grad(trainer: LocalTrainer, term, seqs, dtype):

@@ -137,9 +137,7 @@ def to_datum(
     inputs = {"target_tokens": types.TensorData.from_numpy(targets)}
     for name in fields:
         arr = (
-            np.asarray(seq.inputs[name], np.float32)
-            if checked
-            else _field_array(seq, index, name)
+            np.asarray(seq.inputs[name], np.float32) if checked else _field_array(seq, index, name)
         )
         inputs[name] = types.TensorData.from_numpy(arr)
     if model_input is None:

@@ -1,4 +1,6 @@
-"""ECHO env cross-entropy: NumPy reference, gradient = -w, golden values, observation masks."""
+"""ECHO env cross-entropy (mirrors losses/_env.py): gradient = -w, linearity, golden values,
+observation masks. Its NumPy reference (and metrics) is a property of the registry's echo_env
+cases (tests/test_term_properties.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,29 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import losses
-from tests import numpy_ref
-from tests.helpers import value_and_grad
-from tests.strategies import ENV_CONFIGS, batches
-
-
-@given(data=batches(), cfg=st.sampled_from(ENV_CONFIGS))
-def test_echo_env_matches_numpy_reference(data, cfg):
-    lp, batch = data
-    (value, metrics), grad = value_and_grad("echo_env", cfg, lp, batch)
-    ref_value, ref_grad = numpy_ref.echo_env_ref(lp, batch, **cfg)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-12)
-    obs = np.asarray(batch.obs_mask) > 0
-    assert metrics["num_obs_tokens"] == obs.sum()
-    assert metrics["rows_with_obs"] == obs.any(axis=1).sum()
-    if obs.any():
-        assert metrics["nll"] == pytest.approx(-lp[obs].mean())
+from tests.cases import ENV_CONFIGS, spec, value_and_grad
+from tests.strategies import batches
 
 
 @given(data=batches(), cfg=st.sampled_from(ENV_CONFIGS))
 def test_echo_env_gradient_is_exactly_minus_weights(data, cfg):
     lp, batch = data
-    _, grad = value_and_grad("echo_env", cfg, lp, batch)
+    _, grad = value_and_grad(spec("echo_env", **cfg), lp, batch)
     w = np.asarray(
         losses.echo_env_weights(
             batch, **{"coef": 0.05, "normalization": "seq_mean_token_mean", **cfg}
@@ -42,8 +29,8 @@ def test_echo_env_gradient_is_exactly_minus_weights(data, cfg):
 @given(data=batches(), k=st.sampled_from([0.0, 0.5, 3.0]))
 def test_echo_env_is_linear_in_coef(data, k):
     lp, batch = data
-    (v1, _), g1 = value_and_grad("echo_env", dict(coef=0.2), lp, batch)
-    (vk, _), gk = value_and_grad("echo_env", dict(coef=0.2 * k), lp, batch)
+    (v1, _), g1 = value_and_grad(spec("echo_env", coef=0.2), lp, batch)
+    (vk, _), gk = value_and_grad(spec("echo_env", coef=0.2 * k), lp, batch)
     np.testing.assert_allclose(vk, k * v1, rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(gk, k * g1, rtol=1e-12, atol=1e-15)
 
@@ -54,7 +41,7 @@ def test_echo_env_constant_nll_gives_coef_times_c(data, c):
     obs = np.asarray(batch.obs_mask) > 0
     lp = np.where(obs, -c, lp)
     (value, _), _ = value_and_grad(
-        "echo_env", dict(coef=0.3, normalization="token_mean"), lp, batch
+        spec("echo_env", coef=0.3, normalization="token_mean"), lp, batch
     )
     assert value == pytest.approx(0.3 * c if obs.any() else 0.0, rel=1e-12)
     assert value >= 0
