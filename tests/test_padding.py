@@ -160,8 +160,10 @@ def test_batch_with_logprobs_and_field_errors():
 @pytest.mark.parametrize(
     "values, error",
     [
-        (np.array([1e308, 1e308, 0.0]), None),  # the sum overflows; every entry is finite
-        (np.array([1e38, 1e38, 1e38], np.float32), None),
+        # finite in float64 but not in float32, the dtype the runner computes in (issue #11)
+        (np.array([0.0, 1e308, 1e308]), r"value 1e\+308 at target 1 overflows float32"),
+        (np.array([3e38, 3e38, -3e38]), None),  # float64 entries inside the float32 range
+        (np.array([1e38, 1e38, 1e38], np.float32), None),  # the sum overflows; entries finite
         (np.array([1, 2, 3], np.uint8), None),
         (np.array([0.0, np.inf, -np.inf]), "non-finite value inf at target 1"),  # sum is nan
         (np.array([0.0, 1.0, np.nan]), "non-finite value nan at target 2"),
@@ -170,9 +172,10 @@ def test_batch_with_logprobs_and_field_errors():
     ],
 )
 def test_validate_seqs_finiteness_fast_path_is_exact(values, error):
-    # validate_seqs proves finiteness from one sum per float field and looks entry by entry only
-    # when the sum is not finite: an overflowing sum of finite entries must not be an error, and
-    # no numpy overflow warning may leak to the caller.
+    # validate_seqs proves finiteness from one sum per float32 field (min/max for wider floats,
+    # which must also fit in float32) and looks entry by entry only when that fails: an
+    # overflowing sum of finite entries must not be an error, and no numpy overflow warning may
+    # leak to the caller.
     import warnings
 
     from runner import validate_seqs
