@@ -14,7 +14,7 @@ from losses._batch import (
     Twin,
     UnknownFieldError,
 )
-from losses._checks import MAX_LOGPROB, check_batch, count_violations
+from losses._checks import MAX_LOGPROB, check_batch, any_violation
 from losses._common import KL_ESTIMATORS, ppo_clip_terms
 from losses._correction import (
     CORRECTION_KINDS,
@@ -51,7 +51,7 @@ __all__ = [
     "NORMALIZER_FIELDS",
     "Twin",
     "UnknownFieldError",
-    "count_violations",
+    "any_violation",
     "MismatchCorrection",
     "Term",
     "CORRECTION_KINDS",

@@ -138,28 +138,32 @@ class ClientLoss:
         # outputs depend on which batch fields are present, not on their shapes).
         self._treedefs: dict[Any, Any] = {}
 
-        def value_and_weights(lp_BT, batch):
+        def value_and_weights(lp_BT, batch, tied):
             # The linear CE pass needs -dL/dlogprobs: negating inside the jit is free (fused).
-            # The loss, the metrics and the count of invalid entries (the value rules of
+            # The loss, the metrics and whether any entry is invalid (the value rules of
             # `losses.check_batch`, one fused pass) come back as one vector: one host transfer.
+            batch = _tie(batch, tied)
             (value, metrics), grad = value_and_grad(lp_BT, batch)
-            bad = losses.count_violations(batch, lp_BT)
+            bad = losses.any_violation(batch, lp_BT)
             packed, treedef = _pack_scalars((value, dict(metrics), bad))
             self._treedefs[_structure(lp_BT, batch)] = treedef
             return packed, -grad
 
         options = _compiler_options(jax.default_backend())
-        self._value_and_weights = jax.jit(value_and_weights, compiler_options=options)
+        self._value_and_weights = jax.jit(
+            value_and_weights, static_argnums=2, compiler_options=options
+        )
 
-        def value_only(lp_BT, batch):
+        def value_only(lp_BT, batch, tied):
             # The builtin path's metrics: the term's value and metrics, no gradient.
+            batch = _tie(batch, tied)
             value, metrics = term(lp_BT, batch)
-            bad = losses.count_violations(batch, lp_BT)
+            bad = losses.any_violation(batch, lp_BT)
             packed, treedef = _pack_scalars((value, dict(metrics), bad))
             self._treedefs[("value", _structure(lp_BT, batch))] = treedef
             return packed
 
-        self._value_only = jax.jit(value_only, compiler_options=options)
+        self._value_only = jax.jit(value_only, static_argnums=2, compiler_options=options)
 
     def shapes(self, seqs: Sequence[Seq]) -> tuple[int, int]:
         """The ``(rows, length)`` bucket the sequences pad to (`runner._padding` rules)."""
@@ -207,7 +211,7 @@ class ClientLoss:
         client pass sends.
 
         The values are checked by the rules of `losses.check_batch` inside the same jitted call
-        (`losses.count_violations`, fused with the loss): 0/1 and disjoint masks, logprobs
+        (`losses.any_violation`, fused with the loss): 0/1 and disjoint masks, logprobs
         finite and ``≤ 0`` where read, finite advantages and weights, nothing that overflows
         the adapter's dtype. The sequences' shapes are assumed valid (`runner.validate_seqs`;
         `__call__` checks them).
@@ -303,8 +307,11 @@ class ClientLoss:
             logprobs=None if reuse_lp else arrays,
         )
         lp_BT, batch = (given, padded) if reuse_lp else padded
+        # Without its own old_logprobs a sequence's anchor is its sampling_logprobs: one buffer,
+        # read once inside the jit (not as two arguments that XLA reads separately).
+        tied = batch.sampling_logprobs is not None and batch.old_logprobs is batch.sampling_logprobs
         with self._lock:
-            out = fn(lp_BT, batch)
+            out = fn(lp_BT, batch, tied)
         jax.block_until_ready(out)
         self._give_back(key, bufs, dirty)
         return out, lp_BT, batch, lengths
@@ -379,6 +386,11 @@ class ClientLoss:
         counter.forward_backward()
         metrics["surrogate_loss"] = float(result.metrics.get("loss:sum", float("nan")))
         return value, metrics
+
+
+def _tie(batch: losses.Batch, tied: bool) -> losses.Batch:
+    """``batch`` with ``old_logprobs`` the very array ``sampling_logprobs`` when ``tied``."""
+    return batch.replace(old_logprobs=batch.sampling_logprobs) if tied else batch
 
 
 def _valid_norms(norms: Mapping[str, float]) -> bool:

@@ -155,7 +155,7 @@ def pad_fields(
     # Row-major: each source row is read once while its destinations are written (better
     # locality than one field after another, ~25% faster on a [256, 4096] batch).
     # A value beyond the padded dtype becomes inf here; the value check after padding
-    # (`losses.count_violations`) reports it, so numpy need not warn.
+    # (`losses.any_violation`) reports it, so numpy need not warn.
     with np.errstate(over="ignore"):
         for i in range(n_rows):
             for k in range(count):

@@ -171,7 +171,7 @@ class StepRunner:
 
     The step's data are validated once, where they enter (`accumulate`): the sequences'
     structure by `runner.validate_seqs`, their values by the rules of `losses.check_batch`
-    inside the step's jitted call (`losses.count_violations`). The trainer calls of the step get
+    inside the step's jitted call (`losses.any_violation`). The trainer calls of the step get
     `runner._padding.CheckedSeqs`, which trainers do not validate again.
 
     Args:
@@ -263,7 +263,7 @@ class StepRunner:
         if fn is None:
 
             def prepare(batch):
-                return _builtin_inputs(plan, batch), losses.count_violations(batch)
+                return _builtin_inputs(plan, batch), losses.any_violation(batch)
 
             fn = self._prepare[key] = jax.jit(prepare)
         return fn
