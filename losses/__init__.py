@@ -14,7 +14,7 @@ from losses._batch import (
     Twin,
     UnknownFieldError,
 )
-from losses._checks import MAX_LOGPROB, check_batch, any_violation
+from losses._checks import MAX_LOGPROB, any_violation, check_batch
 from losses._common import KL_ESTIMATORS, ppo_clip_terms
 from losses._correction import (
     CORRECTION_KINDS,
