@@ -26,10 +26,10 @@ def _first(bad: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argwhere(bad)[0])
 
 
-def _at(idx: tuple[int, ...]) -> str:
+def _at(idx: tuple[int, ...], names: tuple[str, str] = ("row", "column")) -> str:
     if len(idx) == 2:
-        return f"row {idx[0]}, column {idx[1]}"
-    return f"row {idx[0]}"
+        return f"{names[0]} {idx[0]}, {names[1]} {idx[1]}"
+    return f"{names[0]} {idx[0]}"
 
 
 def _finite_in(values: np.ndarray, dtype: Any) -> np.ndarray:
@@ -49,7 +49,13 @@ def _what(name: str, value: float, dtype: Any) -> str:
     return "must be finite"
 
 
-def check_batch(batch: Batch, logprobs: Any = None, *, dtype: Any = None) -> None:
+def check_batch(
+    batch: Batch,
+    logprobs: Any = None,
+    *,
+    dtype: Any = None,
+    index_names: tuple[str, str] = ("row", "column"),
+) -> None:
     """Validates a batch's values on the host; raises ``ValueError`` naming field, row and column.
 
     Rules (DESIGN.md §6), the same as `any_violation`:
@@ -69,6 +75,8 @@ def check_batch(batch: Batch, logprobs: Any = None, *, dtype: Any = None) -> Non
       batch: the `Batch` (shapes were checked at construction).
       logprobs: optional float[B, T] current-policy logprobs.
       dtype: the float dtype the values will be computed in; ``None`` = their own.
+      index_names: what the two axes are called in messages (a runner says
+        ``("sequence", "target")``).
 
     Returns:
       None; the batch is valid when no error is raised.
@@ -87,7 +95,9 @@ def check_batch(batch: Batch, logprobs: Any = None, *, dtype: Any = None) -> Non
         bad = ~((m == 0) | (m == 1))
         if bad.any():
             idx = _first(bad)
-            raise ValueError(f"{name}[{_at(idx)}] = {float(m[idx]):g}: masks must hold only 0 or 1")
+            raise ValueError(
+                f"{name}[{_at(idx, index_names)}] = {float(m[idx]):g}: masks must hold only 0 or 1"
+            )
         masks[name] = m > 0
     action = masks["action_mask"]
     obs = masks.get("obs_mask", np.zeros(bt, bool))
@@ -95,18 +105,18 @@ def check_batch(batch: Batch, logprobs: Any = None, *, dtype: Any = None) -> Non
     if overlap.any():
         idx = _first(overlap)
         raise ValueError(
-            f"action_mask and obs_mask overlap at {_at(idx)}: a token is either an action or an "
+            f"action_mask and obs_mask overlap at {_at(idx, index_names)}: a token is either an action or an "
             "observation"
         )
     if logprobs is not None:
         lp = np.asarray(logprobs)
         if lp.shape != bt:
             raise ValueError(f"logprobs has shape {lp.shape}, expected {bt} like action_mask")
-        _check_logprob_values("logprobs", lp, action | obs, dtype)
+        _check_logprob_values("logprobs", lp, action | obs, dtype, index_names)
     for name in LOGPROB_FIELDS:
         value = batch.get(name)
         if value is not None:
-            _check_logprob_values(name, np.asarray(value), action, dtype)
+            _check_logprob_values(name, np.asarray(value), action, dtype, index_names)
     adv = batch.get("advantages")
     if adv is not None:
         a = np.asarray(adv)
@@ -115,7 +125,9 @@ def check_batch(batch: Batch, logprobs: Any = None, *, dtype: Any = None) -> Non
         if bad.any():
             idx = _first(bad)
             v = float(a[idx])
-            raise ValueError(f"advantages[{_at(idx)}] = {v:g}: advantages {_what('a', v, dtype)}")
+            raise ValueError(
+                f"advantages[{_at(idx, index_names)}] = {v:g}: advantages {_what('a', v, dtype)}"
+            )
     weights = batch.get("weights")
     if weights is not None:
         w = np.asarray(weights)
@@ -123,7 +135,9 @@ def check_batch(batch: Batch, logprobs: Any = None, *, dtype: Any = None) -> Non
         if bad.any():
             idx = _first(bad)
             v = float(w[idx])
-            raise ValueError(f"weights[{_at(idx)}] = {v:g}: weights {_what('w', v, dtype)}")
+            raise ValueError(
+                f"weights[{_at(idx, index_names)}] = {v:g}: weights {_what('w', v, dtype)}"
+            )
     for name in NORMALIZER_FIELDS:
         value = batch.get(name)
         if value is not None:
@@ -132,7 +146,9 @@ def check_batch(batch: Batch, logprobs: Any = None, *, dtype: Any = None) -> Non
                 raise ValueError(f"{name} = {v!r}: normalizers must be finite and >= 0")
 
 
-def _check_logprob_values(name: str, values: np.ndarray, where: np.ndarray, dtype: Any) -> None:
+def _check_logprob_values(
+    name: str, values: np.ndarray, where: np.ndarray, dtype: Any, index_names: tuple[str, str]
+) -> None:
     bad = where & ~_finite_in(values, dtype)
     if bad.any():
         idx = _first(bad)
@@ -142,13 +158,13 @@ def _check_logprob_values(name: str, values: np.ndarray, where: np.ndarray, dtyp
             if not np.isfinite(v) or dtype is None
             else f"logprobs {_what(name, v, dtype)}"
         )
-        raise ValueError(f"{name}[{_at(idx)}] = {v:g} on an unmasked token: {rule}")
+        raise ValueError(f"{name}[{_at(idx, index_names)}] = {v:g} on an unmasked token: {rule}")
     with np.errstate(invalid="ignore"):
         bad = where & (values > MAX_LOGPROB)
     if bad.any():
         idx = _first(bad)
         raise ValueError(
-            f"{name}[{_at(idx)}] = {float(values[idx]):g} > 0 on an unmasked token: log-probabilities "
+            f"{name}[{_at(idx, index_names)}] = {float(values[idx]):g} > 0 on an unmasked token: log-probabilities "
             "must be <= 0"
         )
 

@@ -261,12 +261,11 @@ class ClientLoss:
         padded = seqs_to_batch(seqs, length=length, rows=rows, norms=norms, dtype=np.float64, **kw)
         lp_BT, batch = padded if logprobs is not None else (None, padded)
         try:
-            losses.check_batch(batch, logprobs=lp_BT, dtype=self.dtype)
+            losses.check_batch(
+                batch, logprobs=lp_BT, dtype=self.dtype, index_names=("sequence", "target")
+            )
         except ValueError as exc:
-            msg = str(exc).replace("[row ", "[sequence ").replace("at row ", "at sequence ")
-            raise ValueError(
-                f"client loss input: {msg.replace(', column ', ', target ')}"
-            ) from None
+            raise ValueError(f"client loss input: {exc}") from None
 
     def _run(self, fn, logprobs, seqs, norms):
         """Pads ``logprobs`` and the fields into reused aligned buffers and runs ``fn``."""
