@@ -139,7 +139,8 @@ class Config:
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+#: A run name is one path component: letters, digits, '.', '_', '-', not '.' or '..'.
+_NAME_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._-]{1,64}$")
 
 
 def _section_class(name: str):
@@ -239,7 +240,10 @@ def validate(cfg: Config) -> None:
             )
 
     if not _NAME_RE.match(cfg.run.name):
-        raise ValueError(f"config [run].name must match {_NAME_RE.pattern}, got {cfg.run.name!r}")
+        raise ValueError(
+            f"config [run].name must be one path component of 1-64 letters, digits, '.', '_' or "
+            f"'-' (not '.' or '..'), got {cfg.run.name!r}"
+        )
     if cfg.run.backend not in ("local", "fireworks"):
         raise ValueError(
             f"config [run].backend must be 'local' or 'fireworks', got {cfg.run.backend!r}"

@@ -128,6 +128,8 @@ def translate_sft_batch(
             raise ValueError(f"attention_mask[{i}] must describe contiguous left padding")
         tokens = seqs[i][present]
         if len(tokens) < 2:
+            if not np.any(weights_BA[i]):
+                continue  # an all-padding (or one-token) row with nothing supervised: dropped
             raise ValueError(f"sample {i} must contain at least two tokens")
         model_input, target_tokens = tokens[:-1], tokens[1:]
         n = len(model_input)

@@ -94,10 +94,12 @@ def test_non_contiguous_padding(mask):
 
 @pytest.mark.parametrize("mask", [[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]])
 def test_fewer_than_two_tokens(mask):
-    attention = _A.copy()
+    # A supervised row needs at least two tokens (an unsupervised one is dropped, below).
+    attention, loss_mask = _A.copy(), _L.copy()
     attention[2] = mask
+    loss_mask[2] = [0.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="sample 2 must contain at least two tokens"):
-        translate_sft_batch(_S, attention, _L, max_seq_len=8)
+        translate_sft_batch(_S, attention, loss_mask, max_seq_len=8)
 
 
 def test_length_over_limit():
@@ -200,3 +202,16 @@ def test_collate_translate_round_trip(examples, pad_id):
         expected = np.array([0.0] * (len(p) - 1) + [1.0 / n_supervised] * len(c))
         np.testing.assert_allclose(seq.inputs["weights"], expected, rtol=1e-15)
     assert sum(s.inputs["weights"].sum() for s in out) == pytest.approx(1.0)
+
+
+def test_all_padding_rows_without_supervision_are_dropped():
+    """Issue #12 row 11: the docstring says such rows are dropped; they raised instead."""
+    for mask in ([0, 0, 0, 0, 0], [0, 0, 0, 0, 1]):  # all padding; a single token
+        attention = _A.copy()
+        attention[2] = mask  # row 2's loss mask is all zero
+        kept = translate_sft_batch(_S, attention, _L, max_seq_len=8)
+        full = translate_sft_batch(_S, _A, _L, max_seq_len=8)
+        assert len(kept) == len(full) == 2
+        for a, b in zip(kept, full, strict=True):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_array_equal(a.inputs["weights"], b.inputs["weights"])

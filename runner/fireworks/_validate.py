@@ -15,7 +15,9 @@ from typing import Any
 
 #: ``[fireworks].modality`` values: ``auto`` = decide by `is_vision_model`.
 MODALITIES = ("auto", "text", "vision")
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: Environment variable names as keys are named (upper case): an API key itself (``fw_...``,
+#: mixed case) never matches, so a key pasted into ``api_key_env`` is refused without echoing it.
+_ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
 _OUTPUT_MODEL_ID_RE = re.compile(r"^[a-z0-9-]{1,63}$")
 _VLM_TOKENS = frozenset({"vl", "vlm", "vision", "visual", "omni", "multimodal", "mm", "image"})
 _VLM_TOKEN_RE = re.compile(r"^(vl\d+|\d+(p\d+)?v)$")  # deepseek-vl2, glm-4v, glm-4p5v
@@ -111,9 +113,10 @@ def validate_static(cfg: Any) -> None:
             raise ValueError(f"config [fireworks].{key} is required for backend 'fireworks'")
     check_text_only(f.base_model, f.modality)
     if not _ENV_NAME_RE.match(f.api_key_env):
+        # Never echo the value: a user who pasted the key itself here must not see it logged.
         raise ValueError(
-            f"config [fireworks].api_key_env must be an environment variable name, got "
-            f"{f.api_key_env!r}"
+            "config [fireworks].api_key_env must be an environment variable name in upper case "
+            "(like FIREWORKS_API_KEY), not the key itself; the value given is not shown"
         )
     if not f.base_url.startswith(("https://", "http://")):
         raise ValueError(f"config [fireworks].base_url must be an http(s) URL, got {f.base_url!r}")
