@@ -140,6 +140,8 @@ class Config:
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 #: A run name is one path component: letters, digits, '.', '_', '-', not '.' or '..'.
+#: Sampling temperatures the runner accepts: logits / T stays finite in float32 for |logits| < 1e35.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 _NAME_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._-]{1,64}$")
 
 
@@ -264,6 +266,17 @@ def validate(cfg: Config) -> None:
     positive("rl", "temperature", cfg.rl.temperature)
     positive("rl", "learning_rate", cfg.rl.learning_rate)
     positive("rl", "num_microbatches", cfg.rl.num_microbatches)
+    rows = cfg.rl.problems_per_step * cfg.rl.group_size
+    if cfg.rl.steps and cfg.rl.num_microbatches > rows:
+        raise ValueError(
+            f"config [rl].num_microbatches ({cfg.rl.num_microbatches}) exceeds the {rows} "
+            "sequences of an RL step ([rl].problems_per_step × [rl].group_size)"
+        )
+    if not MIN_TEMPERATURE <= cfg.rl.temperature <= MAX_TEMPERATURE:
+        raise ValueError(
+            f"config [rl].temperature must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
+            f"(logits / temperature must stay finite in float32), got {cfg.rl.temperature!r}"
+        )
     positive("checkpoint", "interval", cfg.checkpoint.interval, allow_zero=True)
     if cfg.total_steps <= 0:
         raise ValueError("config: [sft].steps + [rl].steps must be > 0")

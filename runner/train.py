@@ -21,6 +21,7 @@ import numpy as np
 import losses
 from runner import checkpoints as ckpt
 from runner._atomic import atomic_write_text
+from runner._lock import check_unlocked, run_lock
 from runner._protocols import Capabilities, Trainer, capabilities, require
 from runner._step import StepRunner
 from runner._types import AdamParams, Seq
@@ -198,12 +199,24 @@ class MetricsLog:
         self.path = path
         self.records: list[dict[str, Any]] = []
         if resume_after is not None and path.exists():
-            # Drop lines of steps after the checkpoint (written before an interruption).
-            for line in path.read_text().splitlines():
-                if line.strip():
+            # Keep the records up to the checkpoint; every line after the checkpoint's own record
+            # (written before an interruption, possibly torn mid-line) is dropped unread.
+            for number, line in enumerate(path.read_text().splitlines(), start=1):
+                if self.records and self.records[-1].get("step", -1) >= resume_after:
+                    break
+                if not line.strip():
+                    continue
+                try:
                     rec = json.loads(line)
-                    if rec.get("step", 0) <= resume_after:
-                        self.records.append(rec)
+                except json.JSONDecodeError as exc:
+                    raise ckpt.CheckpointError(
+                        f"{path} line {number} is not valid JSON ({exc.msg}), before the record of "
+                        f"checkpointed step {resume_after}: fix or remove the line to resume"
+                    ) from None
+                if not isinstance(rec, dict):
+                    raise ckpt.CheckpointError(f"{path} line {number} is not a JSON object")
+                if rec.get("step", 0) <= resume_after:
+                    self.records.append(rec)
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def append(self, record: dict[str, Any]) -> None:
@@ -211,6 +224,36 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+
+
+def _check_resume_steps(cfg: Config, latest: int, run_state: dict[str, Any]) -> None:
+    """Step counts may change on resume, but never so that they rewrite what already ran.
+
+    Raises:
+      CheckpointError: the new total ends before the checkpoint; RL had begun and ``[sft].steps``
+        changed (later steps would be relabelled SFT, or the SFT/RL boundary moved); the
+        checkpoint is in SFT and ``[sft].steps`` shrank below it.
+    """
+    if cfg.total_steps < latest:
+        raise ckpt.CheckpointError(
+            f"--resume: the run is at step {latest}, but [sft].steps + [rl].steps = "
+            f"{cfg.total_steps}: a resume cannot shorten a run below its checkpoint"
+        )
+    phase, old_sft = run_state.get("phase"), run_state.get("sft_steps")
+    if phase == "rl":
+        moved = cfg.sft.steps != old_sft if old_sft is not None else cfg.sft.steps >= latest
+        if moved:
+            was = f"{old_sft}" if old_sft is not None else f"< {latest}"
+            raise ckpt.CheckpointError(
+                f"--resume: RL had begun (checkpoint at step {latest}, [sft].steps was {was}); "
+                f"[sft].steps = {cfg.sft.steps} would rewrite the phases: keep it and change "
+                "[rl].steps"
+            )
+    elif phase == "sft" and cfg.sft.steps < latest:
+        raise ckpt.CheckpointError(
+            f"--resume: the checkpoint is SFT step {latest}; [sft].steps = {cfg.sft.steps} would "
+            "end SFT before steps that already ran"
+        )
 
 
 def _reference_trainer(cfg: Config, trainer: Trainer, run_dir: Path) -> Trainer:
@@ -309,6 +352,7 @@ def run(
     ckpt_root = run_dir / "checkpoints"
     start = 1
     manifest = None
+    check_unlocked(run_dir)  # a run in progress is named before anything else is said about it
     if resume:
         latest = ckpt.latest_step(ckpt_root)
         if latest is None:
@@ -328,6 +372,7 @@ def run(
                 f"--resume: the checkpoint was written by backend {manifest['backend']!r}, not "
                 f"{cfg.run.backend!r}"
             )
+        _check_resume_steps(cfg, latest, manifest["run_state"])
         start = latest + 1
     elif (ckpt_root / "latest").exists() or (run_dir / "metrics.jsonl").exists():
         raise ValueError(
@@ -338,81 +383,92 @@ def run(
     if not owned:  # a received trainer: check it before the run directory is touched
         caps = check_capabilities(cfg, trainer, start=start)
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
-    if owned:
-        trainer = make_trainer(cfg, run_dir)
-        caps = capabilities(trainer)  # probed once, right after it is built
-    try:
-        if owned:  # (a failed check still closes the trainer, below)
-            check_capabilities(cfg, caps, start=start)
-        if manifest is not None:
-            ckpt.load_resumable(trainer, manifest["resumable"], with_optimizer=True, caps=caps)
-        env = make_env(cfg)
-        log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
-        step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
-        reference = None
-        total = cfg.total_steps
-        last_manifest = manifest
-
-        from runner.plot import plot_metrics
-        from runner.progress import Progress  # rich is optional at import time
-
-        def checkpoint(step: int) -> None:
-            nonlocal last_manifest
-            run_state = {
-                "step": step,
-                "phase": "sft" if step <= cfg.sft.steps else "rl",
-                "config_identity": cfg.identity(),
-                "seed": cfg.run.seed,
-                "data_position": step,
-            }
-            last_manifest = ckpt.write_checkpoint(
-                ckpt_root,
-                trainer,
-                step=step,
-                run_state=run_state,
-                backend=cfg.run.backend,
-                promotable=cfg.checkpoint.save_promotable,
-                caps=caps,
+    with run_lock(run_dir):
+        # Under the lock, the state the checks above saw must still hold (another process may
+        # have run in between).
+        now = ckpt.latest_step(ckpt_root) if resume else None
+        if resume and now != start - 1:
+            raise ckpt.CheckpointError(
+                f"--resume: the run's latest checkpoint changed to {now} while starting"
             )
-            plot_metrics(log.records, run_dir / "plot.png")
+        if not resume and ((ckpt_root / "latest").exists() or (run_dir / "metrics.jsonl").exists()):
+            raise ValueError(f"run directory {run_dir} already holds a run (written meanwhile)")
+        atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if owned:
+            trainer = make_trainer(cfg, run_dir)
+            caps = capabilities(trainer)  # probed once, right after it is built
+        try:
+            if owned:  # (a failed check still closes the trainer, below)
+                check_capabilities(cfg, caps, start=start)
+            if manifest is not None:
+                ckpt.load_resumable(trainer, manifest["resumable"], with_optimizer=True, caps=caps)
+            env = make_env(cfg)
+            log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
+            step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
+            reference = None
+            total = cfg.total_steps
+            last_manifest = manifest
 
-        with Progress(total=total, start=start - 1, enabled=progress) as bar:
-            if start == 1:
-                log.append(
-                    {
-                        "step": 0,
-                        "phase": "eval",
-                        "eval_reward": evaluate(cfg, trainer, env),
-                        "time": time.time(),
-                    }
+            from runner.plot import plot_metrics
+            from runner.progress import Progress  # rich is optional at import time
+
+            def checkpoint(step: int) -> None:
+                nonlocal last_manifest
+                run_state = {
+                    "step": step,
+                    "phase": "sft" if step <= cfg.sft.steps else "rl",
+                    "sft_steps": cfg.sft.steps,
+                    "config_identity": cfg.identity(),
+                    "seed": cfg.run.seed,
+                    "data_position": step,
+                }
+                last_manifest = ckpt.write_checkpoint(
+                    ckpt_root,
+                    trainer,
+                    step=step,
+                    run_state=run_state,
+                    backend=cfg.run.backend,
+                    promotable=cfg.checkpoint.save_promotable,
+                    caps=caps,
                 )
-            for step in range(start, total + 1):
-                t0 = time.perf_counter()
-                if step <= cfg.sft.steps:
-                    metrics = sft_step(cfg, trainer, env, step)
-                    phase = "sft"
-                else:
-                    if reference is None and cfg.rl.kl_coef > 0:
-                        reference = _reference_trainer(cfg, trainer, run_dir)
-                    metrics = rl_step(cfg, trainer, env, step, step_runner, reference)
-                    phase = "rl"
-                elapsed = time.perf_counter() - t0
-                metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
-                metrics["step_time_s"] = elapsed
-                if step == cfg.sft.steps or step == total:
-                    metrics["eval_reward"] = evaluate(cfg, trainer, env)
-                record = {"step": step, "phase": phase, "time": time.time(), **metrics}
-                log.append(record)
-                bar.update(step, record)
-                interval = cfg.checkpoint.interval
-                if (interval and step % interval == 0) or step == total:
-                    checkpoint(step)
-                if on_step is not None:
-                    on_step(step, record)
-        if caps.finalizing:  # a hosted backend's final promotion, then cleanup
-            trainer.finalize(run_dir, last_manifest)
-        return RunResult(run_dir=run_dir, last_step=total, metrics=log.records)
-    finally:
-        if owned and caps.closing:  # e.g. the Fireworks sampling client/service
-            trainer.close()
+                plot_metrics(log.records, run_dir / "plot.png")
+
+            with Progress(total=total, start=start - 1, enabled=progress) as bar:
+                if start == 1:
+                    log.append(
+                        {
+                            "step": 0,
+                            "phase": "eval",
+                            "eval_reward": evaluate(cfg, trainer, env),
+                            "time": time.time(),
+                        }
+                    )
+                for step in range(start, total + 1):
+                    t0 = time.perf_counter()
+                    if step <= cfg.sft.steps:
+                        metrics = sft_step(cfg, trainer, env, step)
+                        phase = "sft"
+                    else:
+                        if reference is None and cfg.rl.kl_coef > 0:
+                            reference = _reference_trainer(cfg, trainer, run_dir)
+                        metrics = rl_step(cfg, trainer, env, step, step_runner, reference)
+                        phase = "rl"
+                    elapsed = time.perf_counter() - t0
+                    metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
+                    metrics["step_time_s"] = elapsed
+                    if step == cfg.sft.steps or step == total:
+                        metrics["eval_reward"] = evaluate(cfg, trainer, env)
+                    record = {"step": step, "phase": phase, "time": time.time(), **metrics}
+                    log.append(record)
+                    bar.update(step, record)
+                    interval = cfg.checkpoint.interval
+                    if (interval and step % interval == 0) or step == total:
+                        checkpoint(step)
+                    if on_step is not None:
+                        on_step(step, record)
+            if caps.finalizing:  # a hosted backend's final promotion, then cleanup
+                trainer.finalize(run_dir, last_manifest)
+            return RunResult(run_dir=run_dir, last_step=total, metrics=log.records)
+        finally:
+            if owned and caps.closing:  # e.g. the Fireworks sampling client/service
+                trainer.close()

@@ -311,3 +311,83 @@ def test_run_closes_the_trainer_it_built_even_on_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="interrupted"):
         train_mod.run(cfg, progress=False, on_step=boom)
     assert closed == [True]
+
+
+def test_resume_refuses_step_counts_that_rewrite_history_and_recovers_a_torn_log(
+    tmp_path, uninterrupted
+):
+    """Issue #12 rows 9, 10 and 13."""
+    import shutil
+
+    from runner.train import run
+
+    shutil.copytree(uninterrupted[0], tmp_path / "tiny")
+    base = [f'run.output_dir="{tmp_path}"']
+    step = ckpt.latest_step(tmp_path / "tiny" / "checkpoints")  # 6: RL began at step 4
+    with pytest.raises(ckpt.CheckpointError, match=r"RL had begun .* \[sft\].steps = 6 would"):
+        run(load_config(TINY, [*base, "sft.steps=6"]), resume=True, progress=False)
+    with pytest.raises(ckpt.CheckpointError, match=f"the run is at step {step}, but .* = 4"):
+        run(load_config(TINY, [*base, "rl.steps=1"]), resume=True, progress=False)
+
+    log = tmp_path / "tiny" / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
+    with pytest.raises(ckpt.CheckpointError, match=r"metrics.jsonl line 3 is not valid JSON"):
+        run(load_config(TINY, [*base, "rl.steps=4"]), resume=True, progress=False)
+    # A torn line after the checkpoint (an interruption mid-write) is dropped, not an error.
+    log.write_text("\n".join(lines) + '\n{"step": 7, "pha')
+    result = run(load_config(TINY, [*base, "rl.steps=4"]), resume=True, progress=False)
+    assert [r["step"] for r in result.metrics] == list(range(step + 2))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rl.num_microbatches=1000", r"num_microbatches \(1000\) exceeds the 8 sequences"),
+        ("rl.temperature=1e-30", r"temperature must be in \[0.001, 1000\]"),
+    ],
+)
+def test_values_that_fail_late_are_refused_before_any_work(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(TINY, [override])
+
+
+def test_two_processes_on_one_run_directory(tmp_path):
+    """Issue #12 row 5: two processes with the same --name both ran and interleaved their steps;
+    now the second fails at once naming the first's pid, and the first finishes normally."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from runner._lock import run_lock
+    from runner.train import run
+
+    cmd = [sys.executable, "-m", "runner", "train", "--config", str(TINY), "--name", "race",
+           "--output-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    first = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+    )
+    lock = tmp_path / "race" / ".lock"
+    try:
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text().strip()) and time.monotonic() < deadline:
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.2)
+        second = subprocess.run(cmd, capture_output=True, env=env, text=True, timeout=120)
+        assert second.returncode == 2
+        assert f"is in use by another process (pid {first.pid})" in second.stderr
+        assert second.stderr.count("\n") == 1 and second.stderr.startswith("error: ")
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err
+    steps = [json.loads(line)["step"] for line in (tmp_path / "race" / "metrics.jsonl").open()]
+    assert steps == list(range(7))
+    # The lock is released with its process; in-process, a held lock refuses a run at once.
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', 'run.name="held"'])
+    (tmp_path / "held").mkdir()
+    with run_lock(tmp_path / "held"), pytest.raises(ValueError, match=f"pid {os.getpid()}"):
+        run(cfg, progress=False)
