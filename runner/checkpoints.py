@@ -70,26 +70,67 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
-def save_resumable(trainer: Any, name: str, caps: Capabilities | None = None) -> dict[str, Any]:
+def relative_ref(ref: str, run_dir: Path | None) -> str:
+    """A file reference inside ``run_dir`` as a path relative to it (so a moved or copied run
+    refers to its own files); anything else unchanged."""
+    if run_dir is None:
+        return str(ref)
+    path, root = Path(ref), Path(run_dir)
+    if path.is_absolute():
+        try:
+            return path.resolve().relative_to(root.resolve()).as_posix()
+        except ValueError:
+            return str(ref)
+    return str(ref)
+
+
+def resolve_ref(ref: str, run_dir: Path | None, what: str) -> str:
+    """The file a manifest reference names, inside ``run_dir`` (fail closed outside it).
+
+    Raises:
+      CheckpointError: an absolute reference outside the run directory (a copied run whose
+        manifest still points at the original, which may meanwhile be another run's).
+    """
+    if run_dir is None:
+        return str(ref)
+    path, root = Path(ref), Path(run_dir)
+    if not path.is_absolute():
+        return str(root / path)
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        raise CheckpointError(
+            f"checkpoint manifest's {what} {ref} is outside this run directory {root}: a copied "
+            "or moved run resumes only from its own files; refusing to load another run's state"
+        ) from None
+    return str(path)
+
+
+def save_resumable(
+    trainer: Any, name: str, caps: Capabilities | None = None, run_dir: Path | None = None
+) -> dict[str, Any]:
     """The backend's resumable-state identity after saving it under ``name``.
 
-    ``caps``: the trainer's `Capabilities` when the caller already probed them.
+    ``caps``: the trainer's `Capabilities` when the caller already probed them. ``run_dir``:
+    file references inside it are recorded relative to it.
     """
     if _caps(trainer, caps).rich_checkpoints:
         return dict(trainer.save_resumable(name))
     ref = trainer.save_state(name)
     if not ref:
         raise CheckpointError(f"save_state({name!r}) returned an empty reference")
-    return {"checkpoint_name": name, "provider_path": str(ref)}
+    return {"checkpoint_name": name, "provider_path": relative_ref(ref, run_dir)}
 
 
-def save_promotable(trainer: Any, name: str, caps: Capabilities | None = None) -> dict[str, Any]:
+def save_promotable(
+    trainer: Any, name: str, caps: Capabilities | None = None, run_dir: Path | None = None
+) -> dict[str, Any]:
     if _caps(trainer, caps).rich_checkpoints:
         return dict(trainer.save_promotable(name))
     ref = trainer.save_weights_for_sampler(name)
     if not ref:
         raise CheckpointError(f"save_weights_for_sampler({name!r}) returned an empty reference")
-    return {"snapshot_name": name, "snapshot_path": str(ref)}
+    return {"snapshot_name": name, "snapshot_path": relative_ref(ref, run_dir)}
 
 
 def load_resumable(
@@ -98,7 +139,9 @@ def load_resumable(
     *,
     with_optimizer: bool = True,
     caps: Capabilities | None = None,
+    run_dir: Path | None = None,
 ) -> None:
+    """Loads the resumable state a manifest names (a relative path: inside ``run_dir``)."""
     if _caps(trainer, caps).rich_checkpoints:
         trainer.load_resumable(identity, with_optimizer=with_optimizer)
         return
@@ -108,7 +151,7 @@ def load_resumable(
             "checkpoint manifest has no resolved identity for the resumable state "
             "(provider_path is missing): refusing to resume from an unknown checkpoint"
         )
-    trainer.load_state(ref, with_optimizer=with_optimizer)
+    trainer.load_state(resolve_ref(ref, run_dir, "provider_path"), with_optimizer=with_optimizer)
 
 
 def write_checkpoint(
@@ -134,9 +177,11 @@ def write_checkpoint(
         "format_version": FORMAT_VERSION,
         "step": step,
         "backend": backend,
-        "resumable": save_resumable(trainer, name, caps),
+        "resumable": save_resumable(trainer, name, caps, run_dir=root.parent),
         "includes_optimizer_state": True,
-        "promotable": save_promotable(trainer, name, caps) if promotable else None,
+        "promotable": save_promotable(trainer, name, caps, run_dir=root.parent)
+        if promotable
+        else None,
         "run_state": run_state,
     }
     atomic_write_json(d / "manifest.json", manifest)

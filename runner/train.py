@@ -401,7 +401,9 @@ def run(
             if owned:  # (a failed check still closes the trainer, below)
                 check_capabilities(cfg, caps, start=start)
             if manifest is not None:
-                ckpt.load_resumable(trainer, manifest["resumable"], with_optimizer=True, caps=caps)
+                ckpt.load_resumable(
+                    trainer, manifest["resumable"], with_optimizer=True, caps=caps, run_dir=run_dir
+                )
             env = make_env(cfg)
             log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
             step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)

@@ -54,7 +54,7 @@ def _final_weights(run_dir: Path) -> dict[str, np.ndarray]:
 
     step = ckpt.latest_step(run_dir / "checkpoints")
     manifest = ckpt.read_manifest(run_dir / "checkpoints", step)
-    return load_file(manifest["promotable"]["snapshot_path"])
+    return load_file(run_dir / manifest["promotable"]["snapshot_path"])
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,10 @@ def test_end_to_end_outputs_are_well_formed(uninterrupted):
     for step in range(1, cfg.total_steps + 1):
         m = ckpt.read_manifest(run_dir / "checkpoints", step)
         assert m["run_state"]["step"] == step and m["includes_optimizer_state"]
-        assert Path(m["resumable"]["provider_path"]).exists()
-        assert Path(m["promotable"]["snapshot_path"]).exists()
+        # Relative to the run directory (issue #12 rows 2-3: a moved run finds its own files).
+        assert not Path(m["resumable"]["provider_path"]).is_absolute()
+        assert (run_dir / m["resumable"]["provider_path"]).exists()
+        assert (run_dir / m["promotable"]["snapshot_path"]).exists()
         assert m["resumable"]["provider_path"] != m["promotable"]["snapshot_path"]
     assert "eval reward" in stdout and "run directory" in stdout
 
@@ -391,3 +393,27 @@ def test_two_processes_on_one_run_directory(tmp_path):
     (tmp_path / "held").mkdir()
     with run_lock(tmp_path / "held"), pytest.raises(ValueError, match=f"pid {os.getpid()}"):
         run(cfg, progress=False)
+
+
+def test_a_moved_or_copied_run_resumes_from_its_own_files(tmp_path, uninterrupted):
+    """Issue #12 rows 2 and 3: a moved run failed with FileNotFoundError; a copy whose original
+    was re-created by another run trained on the other run's weights (absolute manifest paths)."""
+    import shutil
+
+    from runner.train import run
+
+    shutil.copytree(uninterrupted[0], tmp_path / "first")
+    (tmp_path / "first").rename(tmp_path / "moved")  # mv runs/first runs/moved
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', 'run.name="moved"', "rl.steps=4"])
+    result = run(cfg, resume=True, progress=False)
+    assert result.metrics[-1]["step"] == 7
+    # An old-style manifest with an absolute path into another run directory fails closed.
+    root = tmp_path / "moved" / "checkpoints"
+    path = ckpt.step_dir(root, 7) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    other = tmp_path / "other" / manifest["resumable"]["provider_path"]
+    manifest["resumable"]["provider_path"] = str(other)
+    path.write_text(json.dumps(manifest))
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', 'run.name="moved"', "rl.steps=5"])
+    with pytest.raises(ckpt.CheckpointError, match="outside this run directory"):
+        run(cfg, resume=True, progress=False)
