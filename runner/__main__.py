@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--checkpoint-interval", type=int)
         s.add_argument("--env-coef", type=float, help="ECHO env-loss coefficient (0 = plain GRPO)")
         s.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+        s.add_argument(
+            "--restart",
+            action="store_true",
+            help="start over a run that was stopped before its first checkpoint",
+        )
         s.add_argument("--no-progress", action="store_true", help="no progress bar")
         s.add_argument(
             "--set",
@@ -71,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     from runner.train import run
 
     try:
-        result = run(cfg, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty())
+        result = run(
+            cfg,
+            resume=args.resume,
+            restart=args.restart,
+            progress=not args.no_progress and sys.stderr.isatty(),
+        )
     except (ValueError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -226,6 +226,14 @@ class MetricsLog:
             f.flush()
 
 
+def _clear_unfinished(run_dir: Path) -> None:
+    """Removes what a run stopped before its first checkpoint left (``--restart``)."""
+    for name in ("metrics.jsonl", "plot.png", "config.json", "reference.safetensors"):
+        (run_dir / name).unlink(missing_ok=True)
+    for name in ("checkpoints", "trainer", "reference_trainer"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+
+
 def _check_resume_steps(cfg: Config, latest: int, run_state: dict[str, Any]) -> None:
     """Step counts may change on resume, but never so that they rewrite what already ran.
 
@@ -336,6 +344,7 @@ def run(
     trainer: Trainer | None = None,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
     progress: bool = True,
+    restart: bool = False,
 ) -> RunResult:
     """Runs (or resumes) the main job; returns the metrics of every step.
 
@@ -353,6 +362,15 @@ def run(
     start = 1
     manifest = None
     check_unlocked(run_dir)  # a run in progress is named before anything else is said about it
+    if restart:
+        if resume:
+            raise ValueError("--restart and --resume exclude each other")
+        latest = ckpt.latest_step(ckpt_root) if run_dir.exists() else None
+        if latest is not None:
+            raise ckpt.CheckpointError(
+                f"--restart: {run_dir} has a checkpoint at step {latest}; --resume continues it "
+                "(--restart only starts over a run stopped before its first checkpoint)"
+            )
     if resume:
         latest = ckpt.latest_step(ckpt_root)
         if latest is None:
@@ -374,10 +392,16 @@ def run(
             )
         _check_resume_steps(cfg, latest, manifest["run_state"])
         start = latest + 1
-    elif (ckpt_root / "latest").exists() or (run_dir / "metrics.jsonl").exists():
+    elif not restart and ((ckpt_root / "latest").exists() or (run_dir / "metrics.jsonl").exists()):
+        has = (ckpt_root / "latest").exists()
         raise ValueError(
-            f"run directory {run_dir} already holds a run: pass --resume to continue it or choose "
-            "another --name"
+            f"run directory {run_dir} already holds a run: "
+            + (
+                "pass --resume to continue it or choose another --name"
+                if has
+                else "it stopped before its first checkpoint; pass --restart to start it over or "
+                "choose another --name"
+            )
         )
     owned = trainer is None
     if not owned:  # a received trainer: check it before the run directory is touched
@@ -391,7 +415,13 @@ def run(
             raise ckpt.CheckpointError(
                 f"--resume: the run's latest checkpoint changed to {now} while starting"
             )
-        if not resume and ((ckpt_root / "latest").exists() or (run_dir / "metrics.jsonl").exists()):
+        if restart:
+            if (ckpt_root / "latest").exists():
+                raise ckpt.CheckpointError(f"--restart: {run_dir} got a checkpoint meanwhile")
+            _clear_unfinished(run_dir)
+        elif not resume and (
+            (ckpt_root / "latest").exists() or (run_dir / "metrics.jsonl").exists()
+        ):
             raise ValueError(f"run directory {run_dir} already holds a run (written meanwhile)")
         atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
         if owned:

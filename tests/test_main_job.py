@@ -417,3 +417,30 @@ def test_a_moved_or_copied_run_resumes_from_its_own_files(tmp_path, uninterrupte
     cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', 'run.name="moved"', "rl.steps=5"])
     with pytest.raises(ckpt.CheckpointError, match="outside this run directory"):
         run(cfg, resume=True, progress=False)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_can_be_restarted(tmp_path, uninterrupted):
+    """Issue #12 row 14: --resume said "no checkpoint", a plain rerun "already holds a run"."""
+    import shutil
+
+    from runner.train import run
+
+    base = [f'run.output_dir="{tmp_path}"']
+    cfg = load_config(TINY, base)
+    run_dir = tmp_path / "tiny"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "phase": "eval"}\n{"step": 1, "ph')
+    (run_dir / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="stopped before its first checkpoint; pass --restart"):
+        run(cfg, progress=False)
+    with pytest.raises(ValueError, match="exclude each other"):
+        run(cfg, resume=True, restart=True, progress=False)
+    result = run(cfg, restart=True, progress=False)
+    assert [r["step"] for r in result.metrics] == list(range(7))
+    # A run with a checkpoint is never restarted: that is what --resume is for.
+    shutil.copytree(uninterrupted[0], tmp_path / "done")
+    done = load_config(TINY, [*base, 'run.name="done"'])
+    with pytest.raises(ckpt.CheckpointError, match="has a checkpoint at step 6; --resume"):
+        run(done, restart=True, progress=False)
+    with pytest.raises(ValueError, match="pass --resume to continue it"):
+        run(done, progress=False)
