@@ -36,19 +36,34 @@ DATA_FIELDS = (
     "old_logprobs",
     "ref_logprobs",
     "weights",
+    "teacher_logprobs",
+    "old_values",
+    "returns",
 )
+#: Per-row ``[B]`` fields (not carried per token by a runner sequence).
+ROW_FIELDS = ("labels",)
+#: Per-token top-K fields, ``[B, T, K]`` (any ``K ≥ 1``).
+TOPK_FIELDS = ("teacher_topk_logprobs",)
 #: Optional global normalizers: 0-d arrays that `split_batch` sets so that micro-batches carry
 #: the full batch's denominators.
 NORMALIZER_FIELDS = ("num_rows", "num_action_tokens", "num_obs_tokens")
+#: Other 0-d batch-global statistics carried as data (never sliced by `split_batch`, so that
+#: micro-batches see the full batch's value): KTO's KL baseline ``z0``, the batch mean of
+#: importance weights used to normalise them to mean 1.
+GLOBAL_FIELDS = ("kl_baseline", "is_weight_mean")
+#: The 0-d fields `split_batch` passes to every micro-batch unchanged.
+UNSLICED_FIELDS = NORMALIZER_FIELDS + GLOBAL_FIELDS
 #: Every explicit field of a `Batch`, in pytree order (then the ``extra`` entries by name).
-FIELDS = DATA_FIELDS + NORMALIZER_FIELDS
+FIELDS = DATA_FIELDS + ROW_FIELDS + TOPK_FIELDS + NORMALIZER_FIELDS + GLOBAL_FIELDS
 #: Backwards-compatible name of `FIELDS`.
 CORE_FIELDS = FIELDS
 #: Masks: 0/1 values, disjoint.
 MASK_FIELDS = ("action_mask", "obs_mask")
 #: Anchor / reference log-probabilities: ``≤ 0`` where read.
-LOGPROB_FIELDS = ("sampling_logprobs", "old_logprobs", "ref_logprobs")
-_PER_TOKEN_FIELDS = ("obs_mask", "sampling_logprobs", "old_logprobs", "ref_logprobs", "weights")
+LOGPROB_FIELDS = ("sampling_logprobs", "old_logprobs", "ref_logprobs", "teacher_logprobs")
+#: Real-valued per-token fields that must be finite on action tokens (critic targets).
+VALUE_FIELDS = ("old_values", "returns")
+_PER_TOKEN_FIELDS = tuple(f for f in DATA_FIELDS if f not in ("action_mask", "advantages"))
 
 
 class UnknownFieldError(TypeError, ValueError):
@@ -97,10 +112,20 @@ class Batch:
         ``sampling_logprobs``.
       ref_logprobs: KL-reference logprobs; float[B, T].
       weights: explicit per-token cross-entropy weights (any sign); float[B, T].
+      teacher_logprobs: a distillation teacher's logprobs of the sampled targets; float[B, T].
+      old_values: the critic's value predictions when the data was collected (the anchor of the
+        clipped value loss); float[B, T].
+      returns: value targets (e.g. GAE returns); float[B, T].
+      labels: per-row 0/1 labels (KTO: 1 = desirable completion); float[B].
+      teacher_topk_logprobs: the teacher's logprobs of its top-K tokens at each position;
+        float[B, T, K].
       num_rows: optional 0-d count of the optimizer batch's rows that have at least one action
         or observation token (the ``N`` of the seq-mean reductions). ``None`` = count this batch.
       num_action_tokens: optional 0-d total of ``action_mask`` over the optimizer batch.
       num_obs_tokens: optional 0-d total of ``obs_mask`` over the optimizer batch.
+      kl_baseline: optional 0-d KL baseline of KTO (``z0``), computed over the optimizer batch.
+      is_weight_mean: optional 0-d batch mean of the importance weights that a correction
+        normalises to mean 1.
       extra: user-defined fields by name (custom terms read them with ``batch.extra[name]``
         or ``batch.get(name)``); arrays with a leading ``[B]`` axis are split by `split_batch`.
 
@@ -119,9 +144,16 @@ class Batch:
     old_logprobs: Any = None
     ref_logprobs: Any = None
     weights: Any = None
+    teacher_logprobs: Any = None
+    old_values: Any = None
+    returns: Any = None
+    labels: Any = None
+    teacher_topk_logprobs: Any = None
     num_rows: Any = None
     num_action_tokens: Any = None
     num_obs_tokens: Any = None
+    kl_baseline: Any = None
+    is_weight_mean: Any = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __init__(
@@ -134,9 +166,16 @@ class Batch:
         old_logprobs: Any = None,
         ref_logprobs: Any = None,
         weights: Any = None,
+        teacher_logprobs: Any = None,
+        old_values: Any = None,
+        returns: Any = None,
+        labels: Any = None,
+        teacher_topk_logprobs: Any = None,
         num_rows: Any = None,
         num_action_tokens: Any = None,
         num_obs_tokens: Any = None,
+        kl_baseline: Any = None,
+        is_weight_mean: Any = None,
         extra: Mapping[str, Any] | None = None,
         **unknown: Never,
     ) -> None:
@@ -155,9 +194,16 @@ class Batch:
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
             weights=weights,
+            teacher_logprobs=teacher_logprobs,
+            old_values=old_values,
+            returns=returns,
+            labels=labels,
+            teacher_topk_logprobs=teacher_topk_logprobs,
             num_rows=num_rows,
             num_action_tokens=num_action_tokens,
             num_obs_tokens=num_obs_tokens,
+            kl_baseline=kl_baseline,
+            is_weight_mean=is_weight_mean,
         )
         if extra is None:
             extra = {}
@@ -272,7 +318,20 @@ def _check_shapes(fields: Mapping[str, Any], extras: Mapping[str, Any]) -> None:
             f"Batch field 'advantages' has shape {tuple(adv.shape)}, expected [B]={bt[:1]} "
             f"or [B, T]={bt}"
         )
-    for name in NORMALIZER_FIELDS:
+    for name in ROW_FIELDS:
+        v = fields[name]
+        if v is not None and tuple(v.shape) != bt[:1]:
+            raise ValueError(
+                f"Batch field '{name}' has shape {tuple(v.shape)}, expected [B]={bt[:1]}"
+            )
+    for name in TOPK_FIELDS:
+        v = fields[name]
+        if v is not None and (v.ndim != 3 or tuple(v.shape[:2]) != bt or v.shape[2] < 1):
+            raise ValueError(
+                f"Batch field '{name}' has shape {tuple(v.shape)}, expected [B, T, K]="
+                f"{bt + ('K',)} with K >= 1"
+            )
+    for name in UNSLICED_FIELDS:
         v = fields[name]
         if v is not None and tuple(v.shape) != ():
             raise ValueError(f"Batch field '{name}' must be a 0-d array, got shape {v.shape}")
@@ -329,6 +388,9 @@ class Term:
         data alone (``L = Σ w·(-logp)``: ECHO, SFT and weighted cross-entropy), the function
         ``batch -> w[B, T]``; a runner can then run it as a server ``cross_entropy`` pass.
         ``None`` otherwise.
+      validate: host-side data rules specific to the term, ``(batch, logprobs) -> None``
+        raising ``ValueError`` (preference pairs: an even row count, no empty completion);
+        `check_batch` runs it when given ``term=``. ``None``: no rules beyond the generic ones.
     """
 
     name: str
@@ -341,6 +403,7 @@ class Term:
     requires: frozenset[str] = frozenset()
     twin: Twin | None = None
     data_weights: Callable[[Batch], Array] | None = None
+    validate: Callable[[Batch, Any], None] | None = None
 
     def __post_init__(self) -> None:
         for attr in ("reads", "requires"):

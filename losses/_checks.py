@@ -16,7 +16,16 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from losses._batch import LOGPROB_FIELDS, MASK_FIELDS, NORMALIZER_FIELDS, Batch
+from losses._batch import (
+    GLOBAL_FIELDS,
+    LOGPROB_FIELDS,
+    MASK_FIELDS,
+    NORMALIZER_FIELDS,
+    ROW_FIELDS,
+    TOPK_FIELDS,
+    VALUE_FIELDS,
+    Batch,
+)
 
 #: Largest log-probability accepted (float32 log-softmax may round a hair above 0).
 MAX_LOGPROB = 1e-4
@@ -55,6 +64,7 @@ def check_batch(
     *,
     dtype: Any = None,
     index_names: tuple[str, str] = ("row", "column"),
+    term: Any = None,
 ) -> None:
     """Validates a batch's values on the host; raises ``ValueError`` naming field, row and column.
 
@@ -66,7 +76,12 @@ def check_batch(
       ``logprobs``; action tokens for the anchors);
     * ``advantages`` are finite on action tokens;
     * ``weights`` are finite everywhere;
-    * the carried normalizers are finite and ≥ 0;
+    * ``teacher_logprobs`` like the anchors; ``teacher_topk_logprobs`` finite and ``≤ 0`` at
+      every K on action tokens; ``old_values`` and ``returns`` finite on action tokens;
+      ``labels`` 0 or 1;
+    * the carried normalizers are finite and ≥ 0; ``kl_baseline`` finite, ``is_weight_mean``
+      finite and > 0;
+    * with ``term``, the term's own rules (``term.validate``, e.g. preference pairs);
     * with ``dtype`` (e.g. float32, the dtype a runner computes in), every checked value must
       also be representable in it: a float64 ``1e39`` would become ``inf``;
     * ``logprobs`` has the batch's ``[B, T]`` shape.
@@ -77,6 +92,7 @@ def check_batch(
       dtype: the float dtype the values will be computed in; ``None`` = their own.
       index_names: what the two axes are called in messages (a runner says
         ``("sequence", "target")``).
+      term: optional `Term` whose ``validate`` rules are checked too.
 
     Returns:
       None; the batch is valid when no error is raised.
@@ -138,12 +154,51 @@ def check_batch(
             raise ValueError(
                 f"weights[{_at(idx, index_names)}] = {v:g}: weights {_what('w', v, dtype)}"
             )
+    for name in TOPK_FIELDS:
+        value = batch.get(name)
+        if value is not None:
+            k = np.asarray(value)
+            _check_logprob_values(name, k.max(axis=2), action, dtype, index_names)
+            _check_logprob_values(name, k.min(axis=2), action, dtype, index_names)
+    for name in VALUE_FIELDS:
+        value = batch.get(name)
+        if value is not None:
+            x = np.asarray(value)
+            bad = action & ~_finite_in(x, dtype)
+            if bad.any():
+                idx = _first(bad)
+                v = float(x[idx])
+                raise ValueError(
+                    f"{name}[{_at(idx, index_names)}] = {v:g} on an action token: values "
+                    f"{_what(name, v, dtype)}"
+                )
+    for name in ROW_FIELDS:
+        value = batch.get(name)
+        if value is not None:
+            x = np.asarray(value)
+            bad = ~((x == 0) | (x == 1))
+            if bad.any():
+                idx = _first(bad)
+                raise ValueError(
+                    f"{name}[{_at(idx, index_names)}] = {float(x[idx]):g}: labels must be 0 or 1"
+                )
     for name in NORMALIZER_FIELDS:
         value = batch.get(name)
         if value is not None:
             v = float(np.asarray(value))
             if not np.isfinite(v) or v < 0:
                 raise ValueError(f"{name} = {v!r}: normalizers must be finite and >= 0")
+    for name in GLOBAL_FIELDS:
+        value = batch.get(name)
+        if value is not None:
+            v = float(np.asarray(value))
+            positive = name == "is_weight_mean"
+            if not np.isfinite(v) or (positive and v <= 0):
+                rule = "finite and > 0" if positive else "finite"
+                raise ValueError(f"{name} = {v!r}: must be {rule}")
+    validate = getattr(term, "validate", None)
+    if validate is not None:
+        validate(batch, logprobs)
 
 
 def _check_logprob_values(
@@ -209,4 +264,18 @@ def any_violation(batch: Batch, logprobs: Any = None) -> Any:
             bad = bad | (action & ~jnp.isfinite(adv)[:, None])
     if batch.weights is not None:
         bad = bad | ~jnp.isfinite(batch.weights)
-    return jnp.any(bad)
+    for name in TOPK_FIELDS:
+        value = batch.get(name)
+        if value is not None:
+            ok = jnp.all(jnp.isfinite(value) & (value <= MAX_LOGPROB), axis=2)
+            bad = bad | (action & ~ok)
+    for name in VALUE_FIELDS:
+        value = batch.get(name)
+        if value is not None:
+            bad = bad | (action & ~jnp.isfinite(value))
+    out = jnp.any(bad)
+    for name in ROW_FIELDS:
+        value = batch.get(name)
+        if value is not None:
+            out = out | jnp.any((value != 0) & (value != 1))
+    return out

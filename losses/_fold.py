@@ -86,6 +86,15 @@ def fold(*terms: Any) -> Term:
         return total, metrics
 
     declared = [getattr(t, "reads", None) for _, t in frozen]
+    validators = [(n, v) for n, t in frozen if (v := getattr(t, "validate", None)) is not None]
+
+    def validate(batch: Batch, logprobs: Any = None) -> None:
+        for name, check in validators:
+            try:
+                check(batch, logprobs)
+            except ValueError as exc:
+                raise ValueError(f"fold term {name!r}: {exc}") from None
+
     return Term(
         name="fold",
         fn=loss_fn,
@@ -96,4 +105,5 @@ def fold(*terms: Any) -> Term:
         # A fold reads what its parts read (undeclared if any part is undeclared); each part
         # checks its own required fields when called.
         reads=None if any(r is None for r in declared) else frozenset().union(*declared),
+        validate=validate if validators else None,
     )

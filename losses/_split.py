@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from losses._batch import FIELDS, NORMALIZER_FIELDS, Batch
+from losses._batch import FIELDS, UNSLICED_FIELDS, Batch
 from losses._reductions import mask_total, num_rows
 
 
@@ -58,7 +58,7 @@ def split_batch(batch: Batch, num_microbatches: int) -> list[Batch]:
         fields = {}
         for name in FIELDS:
             value = getattr(full, name)
-            fields[name] = value if value is None or name in NORMALIZER_FIELDS else value[sl]
+            fields[name] = value if value is None or name in UNSLICED_FIELDS else value[sl]
         fields["extra"] = {
             name: value[sl] if getattr(value, "ndim", 0) >= 1 else value
             for name, value in full.extra.items()

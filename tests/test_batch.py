@@ -69,6 +69,12 @@ def test_jit_accepts_batch():
         (dict(weights=np.ones((3, 3))), r"'weights' has shape \(3, 3\)"),
         (dict(advantages=np.ones(3)), r"'advantages' has shape \(3,\), expected \[B\]"),
         (dict(num_rows=np.ones(2)), "'num_rows' must be a 0-d array"),
+        (dict(kl_baseline=np.ones(2)), "'kl_baseline' must be a 0-d array"),
+        (dict(labels=np.ones((2, 3))), r"'labels' has shape \(2, 3\), expected \[B\]"),
+        (
+            dict(teacher_topk_logprobs=np.ones((2, 3))),
+            r"'teacher_topk_logprobs' has shape \(2, 3\), expected \[B, T, K\]",
+        ),
         (
             dict(extra={"lens": np.ones(5)}),
             "extra field 'lens' has leading dimension 5, expected B=2",
@@ -147,11 +153,53 @@ def test_check_batch_accepts_a_good_batch():
             None,
             r"num_rows = -1\.0: normalizers must be finite and >= 0",
         ),
+        (
+            dict(teacher_logprobs=np.array([[0.0, -1, 0.5], [0, 0, 0]])),
+            None,
+            r"teacher_logprobs\[row 0, column 2\] = 0\.5 > 0",
+        ),
+        (
+            dict(teacher_topk_logprobs=np.stack([np.zeros((2, 3)), np.full((2, 3), 0.5)], 2)),
+            None,
+            r"teacher_topk_logprobs\[row 0, column 1\] = 0\.5 > 0",
+        ),
+        (
+            dict(returns=np.array([[0.0, 1, 2], [np.nan, 0, 0]])),
+            None,
+            r"returns\[row 1, column 0\] = nan on an action token: values must be finite",
+        ),
+        (
+            dict(labels=np.array([1.0, 0.5])),
+            None,
+            r"labels\[row 1\] = 0\.5: labels must be 0 or 1",
+        ),
+        (
+            dict(is_weight_mean=np.array(0.0)),
+            None,
+            r"is_weight_mean = 0\.0: must be finite and > 0",
+        ),
+        (dict(kl_baseline=np.array(np.inf)), None, r"kl_baseline = inf: must be finite"),
     ],
 )
 def test_check_batch_errors_name_field_row_and_rule(overrides, logprobs, message):
     with pytest.raises(ValueError, match=message):
         losses.check_batch(good(**overrides), logprobs=logprobs)
+
+
+def test_check_batch_runs_the_terms_own_rules_and_a_fold_names_the_part():
+    def validate(batch, logprobs):
+        if batch.shape[0] % 2:
+            raise ValueError("odd row count")
+
+    own = losses.Term(name="pairs", fn=lambda lp, b: (lp.sum(), {}), validate=validate)
+    odd = losses.Batch(action_mask=np.ones((3, 2)))
+    losses.check_batch(odd)  # the generic rules alone pass
+    with pytest.raises(ValueError, match="odd row count"):
+        losses.check_batch(odd, term=own)
+    with pytest.raises(ValueError, match="fold term 'pairs': odd row count"):
+        losses.check_batch(odd, term=losses.fold(losses.sft_cross_entropy(), own))
+    losses.check_batch(losses.Batch(action_mask=np.ones((2, 2))), term=own)
+    assert losses.fold(losses.sft_cross_entropy()).validate is None
 
 
 def test_check_batch_ignores_masked_garbage():
@@ -249,17 +297,26 @@ def _full_batch(rng, b=4, t=6):
         old_logprobs=lp + rng.normal(0, 0.3, (b, t)) - 0.3,
         ref_logprobs=lp - rng.uniform(0, 0.5, (b, t)),
         weights=rng.normal(size=(b, t)),
+        teacher_logprobs=lp - rng.uniform(0, 0.5, (b, t)),
+        old_values=rng.normal(size=(b, t)),
+        returns=rng.normal(size=(b, t)),
+        labels=(np.arange(b) % 2).astype(np.float64),
+        teacher_topk_logprobs=-rng.uniform(0.05, 3.0, (b, t, 3)),
         num_rows=np.array(7.0),
         num_action_tokens=np.array(11.0),
         num_obs_tokens=np.array(5.0),
+        kl_baseline=np.array(0.25),
+        is_weight_mean=np.array(1.2),
     )
 
 
 def _perturb(name, value, rng):
     if name.endswith("_mask"):
         return 1.0 - value if name == "obs_mask" else value  # masks: see the caller
-    if name.startswith("num_"):
+    if name.startswith("num_") or name in ("kl_baseline", "is_weight_mean"):
         return value + 3.0
+    if name == "labels":
+        return 1.0 - value
     return value + rng.uniform(0.1, 0.5, np.shape(value)) * np.sign(
         rng.normal(size=np.shape(value))
     )
@@ -361,6 +418,13 @@ def _bad_batches():
     )
     yield "inf advantage", dict(base, advantages=np.array([np.inf, 1.0])), None
     yield "nan weight", dict(base, weights=np.array([[0.0, np.nan, 0], [0, 0, 0]])), None
+    yield "inf return", dict(base, returns=np.array([[0.0, np.inf, 0], [0, 0, 0]])), None
+    yield "label 2", dict(base, labels=np.array([2.0, 0])), None
+    yield (
+        "positive top-K",
+        dict(base, teacher_topk_logprobs=np.stack([-np.ones((2, 3)), np.ones((2, 3))], 2)),
+        None,
+    )
     yield "positive logprob", base, np.array([[-1.0, 0.5, -1], [-1, -1, -1]])
     yield (
         "masked garbage",
