@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from runner.checkpoints import CheckpointError
+from runner.checkpoints import CheckpointError, latest_step
 from runner.config import load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "default.toml"
@@ -85,8 +85,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a read-only or full disk, a missing directory: one line
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"error: cannot access{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"error: interrupted; {_resume_hint(cfg)}", file=sys.stderr)
+        return 130
     _summary(result)
     return 0
+
+
+def _resume_hint(cfg) -> str:
+    """What a rerun continues from, after an interrupt."""
+    root = Path(cfg.run.output_dir) / cfg.run.name / "checkpoints"
+    try:
+        step = latest_step(root)
+    except CheckpointError as exc:
+        return str(exc)
+    if step is None:
+        return "no checkpoint was written yet: rerun with --restart to start over"
+    return f"--resume continues from the checkpoint of step {step} ({root / f'step_{step:06d}'})"
 
 
 def _summary(result) -> None:

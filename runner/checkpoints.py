@@ -3,8 +3,9 @@
 Layout under ``runs/<name>/checkpoints/`` (after reference/sft-translation.md §7)::
 
     step_000010/manifest.json   identities of the resumable state and the promotable weights
-                                (recorded separately), the run state (step, phase, config
-                                identity) and the data/RNG position
+                                (recorded separately, each with the sha256 of every local file),
+                                the run state (run id, step, phase, config identity) and the
+                                data/RNG position
     latest                      "10" — written LAST, atomically: the newest complete checkpoint
 
 A checkpoint is *resumable* (weights + optimizer state + run state) and optionally *promotable*
@@ -21,6 +22,12 @@ richer identities (Fireworks resolves the control-plane row); otherwise `runner.
 reference is the identity. A trainer with neither cannot be checkpointed (`CheckpointError`).
 Files are written with `runner._atomic` (``atomic_write_text`` / ``atomic_write_json`` are
 re-exported here).
+
+Integrity: a reference that is a local file or directory inside the run directory is recorded
+relative to it together with the sha256 of each of its files (`runner._digests`), and verified
+before the backend reads any byte of it (a mismatch, a missing file or a reference without
+digests fails closed naming the file). Remote references (a hosted backend's checkpoint names)
+carry the provider's identity instead.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from runner._atomic import atomic_write_json, atomic_write_text, make_dirs
+from runner._digests import IntegrityError, tree_digests, verify_tree
 from runner._protocols import Capabilities, capabilities, describe
 
 __all__ = [
@@ -45,10 +53,12 @@ __all__ = [
     "save_promotable",
     "save_resumable",
     "step_dir",
+    "verify_files",
     "write_checkpoint",
 ]
 
-FORMAT_VERSION = 1
+#: 2: file digests and the run id (a version-1 manifest is refused).
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -106,20 +116,63 @@ def resolve_ref(ref: str, run_dir: Path | None, what: str) -> str:
     return str(path)
 
 
+def _local_files(ref: str, run_dir: Path | None) -> dict[str, str] | None:
+    """``{path relative to run_dir: sha256}`` of a reference that is a local file or directory
+    inside ``run_dir``; None for anything else (a remote reference)."""
+    if run_dir is None or Path(ref).is_absolute() or "://" in ref:
+        return None
+    path = Path(run_dir) / ref
+    return tree_digests(path, run_dir) if path.exists() else None
+
+
+def verify_files(run_dir: Path, identity: dict[str, Any], key: str, what: str) -> None:
+    """Verifies the files of ``identity[key]`` (a relative local reference) against the digests
+    recorded beside it, before any byte is used.
+
+    Raises:
+      CheckpointError: no digests recorded for a local reference, or a file is missing or
+        modified (naming it).
+    """
+    ref = identity.get(key)
+    if not ref or Path(str(ref)).is_absolute() or "://" in str(ref):
+        return
+    digests = identity.get("sha256")
+    try:
+        if not isinstance(digests, dict) or not digests:
+            raise IntegrityError(f"no file digests recorded for {ref}; cannot verify it")
+        prefix = Path(str(ref)).as_posix().rstrip("/")
+        outside = [k for k in digests if k != prefix and not str(k).startswith(prefix + "/")]
+        if outside:
+            raise IntegrityError(
+                f"the digests recorded for {ref} name a file outside it ({outside[0]}): the "
+                "manifest was edited"
+            )
+        verify_tree(run_dir, digests, what=what)
+    except IntegrityError as exc:
+        raise CheckpointError(
+            f"{exc}; refusing to load it (restore the run directory from a backup, or start a "
+            "new run)"
+        ) from None
+
+
 def save_resumable(
     trainer: Any, name: str, caps: Capabilities | None = None, run_dir: Path | None = None
 ) -> dict[str, Any]:
     """The backend's resumable-state identity after saving it under ``name``.
 
     ``caps``: the trainer's `Capabilities` when the caller already probed them. ``run_dir``:
-    file references inside it are recorded relative to it.
+    file references inside it are recorded relative to it, with the sha256 of each file.
     """
     if _caps(trainer, caps).rich_checkpoints:
         return dict(trainer.save_resumable(name))
     ref = trainer.save_state(name)
     if not ref:
         raise CheckpointError(f"save_state({name!r}) returned an empty reference")
-    return {"checkpoint_name": name, "provider_path": relative_ref(ref, run_dir)}
+    out = {"checkpoint_name": name, "provider_path": relative_ref(ref, run_dir)}
+    files = _local_files(out["provider_path"], run_dir)
+    if files is not None:
+        out["sha256"] = files
+    return out
 
 
 def save_promotable(
@@ -130,7 +183,11 @@ def save_promotable(
     ref = trainer.save_weights_for_sampler(name)
     if not ref:
         raise CheckpointError(f"save_weights_for_sampler({name!r}) returned an empty reference")
-    return {"snapshot_name": name, "snapshot_path": relative_ref(ref, run_dir)}
+    out = {"snapshot_name": name, "snapshot_path": relative_ref(ref, run_dir)}
+    files = _local_files(out["snapshot_path"], run_dir)
+    if files is not None:
+        out["sha256"] = files
+    return out
 
 
 def load_resumable(
@@ -141,7 +198,13 @@ def load_resumable(
     caps: Capabilities | None = None,
     run_dir: Path | None = None,
 ) -> None:
-    """Loads the resumable state a manifest names (a relative path: inside ``run_dir``)."""
+    """Loads the resumable state a manifest names (a relative path: inside ``run_dir``), after
+    verifying its files' digests.
+
+    Raises:
+      CheckpointError: no identity, a reference outside the run, a digest mismatch, or the
+        backend cannot load it (its error, on one line).
+    """
     if _caps(trainer, caps).rich_checkpoints:
         trainer.load_resumable(identity, with_optimizer=with_optimizer)
         return
@@ -151,7 +214,18 @@ def load_resumable(
             "checkpoint manifest has no resolved identity for the resumable state "
             "(provider_path is missing): refusing to resume from an unknown checkpoint"
         )
-    trainer.load_state(resolve_ref(ref, run_dir, "provider_path"), with_optimizer=with_optimizer)
+    path = resolve_ref(ref, run_dir, "provider_path")
+    if run_dir is not None:
+        verify_files(run_dir, identity, "provider_path", f"resumable state {ref}")
+        if "sha256" in identity and Path(str(ref)).name != identity.get("checkpoint_name"):
+            raise CheckpointError(
+                f"checkpoint manifest's provider_path {ref} is not the state saved as "
+                f"{identity.get('checkpoint_name')!r}: the manifest was edited"
+            )
+    try:
+        trainer.load_state(path, with_optimizer=with_optimizer)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot load the resumable state {ref}: {exc}") from None
 
 
 def write_checkpoint(
@@ -176,6 +250,7 @@ def write_checkpoint(
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "step": step,
+        "saved_as": name,
         "backend": backend,
         "resumable": save_resumable(trainer, name, caps, run_dir=root.parent),
         "includes_optimizer_state": True,
@@ -194,7 +269,10 @@ def latest_step(root: Path) -> int | None:
     marker = root / "latest"
     if not marker.exists():
         return None
-    text = marker.read_text().strip()
+    try:
+        text = marker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{marker} is unreadable ({exc}); expected a step number") from None
     if not text.isdigit():
         raise CheckpointError(f"{marker} is corrupt: expected a step number, got {text!r}")
     return int(text)
@@ -207,8 +285,12 @@ def read_manifest(root: Path, step: int) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint manifest not found: {path}")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"checkpoint manifest {path} is not valid JSON: {exc}") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint manifest {path} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(
+            f"checkpoint manifest {path} is not a JSON object (got {type(manifest).__name__})"
+        )
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint manifest {path} has format_version {manifest.get('format_version')!r}, "

@@ -88,7 +88,9 @@ class FireworksConfig:
     from the environment variable named by ``api_key_env`` and is never stored in the config.
     ``trainer_job_id``/``deployment_id`` empty: the SDK provisions them. ``modality``: ``auto``
     (vision-language models, detected by name, fail closed), ``text`` or ``vision``.
-    ``identity_timeout_s``: how long a checkpoint save polls the control plane for its row."""
+    ``identity_timeout_s``: how long a checkpoint save polls the control plane for its row.
+    ``connect_timeout_s``: the bound on reaching ``base_url`` before any SDK call (offline or
+    unreachable: one error line within it)."""
 
     base_model: str = ""
     trainer_job_id: str = ""
@@ -102,6 +104,7 @@ class FireworksConfig:
     modality: str = "auto"
     delete_trainer_after_promotion: bool = True
     identity_timeout_s: float = 90.0
+    connect_timeout_s: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True)

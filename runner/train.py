@@ -12,6 +12,7 @@ import dataclasses
 import json
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import numpy as np
 import losses
 from runner import checkpoints as ckpt
 from runner._atomic import atomic_write_text
+from runner._digests import tree_digests
 from runner._lock import check_unlocked, run_lock
 from runner._protocols import Capabilities, Trainer, capabilities, require
 from runner._step import StepRunner
@@ -228,7 +230,7 @@ class MetricsLog:
 
 def _clear_unfinished(run_dir: Path) -> None:
     """Removes what a run stopped before its first checkpoint left (``--restart``)."""
-    for name in ("metrics.jsonl", "plot.png", "config.json", "reference.safetensors"):
+    for name in ("metrics.jsonl", "plot.png", "config.json", "reference.safetensors", RUN_FILE):
         (run_dir / name).unlink(missing_ok=True)
     for name in ("checkpoints", "trainer", "reference_trainer"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
@@ -264,15 +266,61 @@ def _check_resume_steps(cfg: Config, latest: int, run_state: dict[str, Any]) -> 
         )
 
 
-def _reference_trainer(cfg: Config, trainer: Trainer, run_dir: Path) -> Trainer:
-    """A frozen copy of the policy at the start of RL, for the KL penalty (local backend)."""
+#: The run's identity file: ``{"run_id": ...}``, written once when a run starts.
+RUN_FILE = "run.json"
+REFERENCE_FILE = "reference.safetensors"
+
+
+def new_run_id(run_dir: Path) -> str:
+    """Creates the run's id (``run.json``) at the start of a fresh run."""
+    run_id = uuid.uuid4().hex
+    atomic_write_text(run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
+    return run_id
+
+
+def checkpoint_prefix(run_id: str) -> str:
+    """The name prefix of a run's checkpoints (the run id in every saved state's name)."""
+    return f"foldloss-{run_id[:8]}"
+
+
+def checkpoint_name(run_id: str, step: int) -> str:
+    """The resumable state's name at ``step`` (what `runner.checkpoints.write_checkpoint` uses)."""
+    return f"{checkpoint_prefix(run_id)}-step-{step}"
+
+
+def read_run_id(run_dir: Path) -> str:
+    """The id in ``run_dir/run.json`` (fail closed when it is missing or corrupt)."""
+    path = run_dir / RUN_FILE
+    try:
+        run_id = json.loads(path.read_text()).get("run_id")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        raise ckpt.CheckpointError(
+            f"--resume: the run's identity file {path} is missing or corrupt ({exc}); this "
+            "directory cannot be resumed"
+        ) from None
+    if not isinstance(run_id, str) or not run_id:
+        raise ckpt.CheckpointError(f"--resume: {path} records no run_id")
+    return run_id
+
+
+def _reference_trainer(
+    cfg: Config, trainer: Trainer, run_dir: Path, recorded: dict[str, Any] | None
+) -> Trainer:
+    """A frozen copy of the policy at the start of RL, for the KL penalty (local backend).
+
+    ``recorded``: the checkpoint's ``{"path", "sha256"}`` of the reference when it was saved
+    before the checkpoint (the file is verified before it is loaded); ``None``: the reference
+    is (re)created from the current policy (a resume from before RL, or a fresh RL start).
+    """
     if cfg.run.backend != "local":
         raise ValueError(
             "[rl].kl_coef > 0 needs a reference model; it is supported on the local backend only"
         )
-    ref_path = run_dir / "reference.safetensors"
-    if not ref_path.exists():  # on resume the saved reference is reused
+    ref_path = run_dir / REFERENCE_FILE
+    if recorded is None:
         shutil.copyfile(trainer.save_weights_for_sampler("reference"), ref_path)
+    else:
+        ckpt.verify_files(run_dir, recorded, "path", "KL reference")
     reference = make_trainer(cfg, run_dir / "reference_trainer")
     require(reference, "trainer", "loads_weights", why=_KL_WHY.format(kl=cfg.rl.kl_coef))
     reference.load_weights(str(ref_path))
@@ -391,6 +439,20 @@ def run(
                 f"{cfg.run.backend!r}"
             )
         _check_resume_steps(cfg, latest, manifest["run_state"])
+        run_id = read_run_id(run_dir)
+        if manifest["run_state"].get("run_id") != run_id:
+            raise ckpt.CheckpointError(
+                f"--resume: checkpoint step {latest} belongs to run "
+                f"{manifest['run_state'].get('run_id')!r}, not to this directory's run {run_id!r} "
+                f"({run_dir / RUN_FILE}); refusing to load another run's state"
+            )
+        expected = checkpoint_name(run_id, latest)
+        if manifest.get("saved_as") != expected:
+            raise ckpt.CheckpointError(
+                f"--resume: checkpoint step {latest} names resumable state "
+                f"{manifest.get('saved_as')!r}, not this run's {expected!r}: "
+                "refusing to load state saved at another step or by another run"
+            )
         start = latest + 1
     elif not restart and ((ckpt_root / "latest").exists() or (run_dir / "metrics.jsonl").exists()):
         has = (ckpt_root / "latest").exists()
@@ -423,6 +485,8 @@ def run(
             (ckpt_root / "latest").exists() or (run_dir / "metrics.jsonl").exists()
         ):
             raise ValueError(f"run directory {run_dir} already holds a run (written meanwhile)")
+        if not resume:
+            run_id = new_run_id(run_dir)
         atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
         if owned:
             trainer = make_trainer(cfg, run_dir)
@@ -438,6 +502,8 @@ def run(
             log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
             step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
             reference = None
+            # The KL reference as the checkpoint recorded it (verified before it is loaded).
+            reference_record = (manifest or {}).get("run_state", {}).get("reference")
             total = cfg.total_steps
             last_manifest = manifest
 
@@ -453,7 +519,10 @@ def run(
                     "config_identity": cfg.identity(),
                     "seed": cfg.run.seed,
                     "data_position": step,
+                    "run_id": run_id,
                 }
+                if reference is not None:
+                    run_state["reference"] = reference_record
                 last_manifest = ckpt.write_checkpoint(
                     ckpt_root,
                     trainer,
@@ -462,6 +531,7 @@ def run(
                     backend=cfg.run.backend,
                     promotable=cfg.checkpoint.save_promotable,
                     caps=caps,
+                    prefix=checkpoint_prefix(run_id),
                 )
                 plot_metrics(log.records, run_dir / "plot.png")
 
@@ -482,7 +552,11 @@ def run(
                         phase = "sft"
                     else:
                         if reference is None and cfg.rl.kl_coef > 0:
-                            reference = _reference_trainer(cfg, trainer, run_dir)
+                            reference = _reference_trainer(cfg, trainer, run_dir, reference_record)
+                            reference_record = {
+                                "path": REFERENCE_FILE,
+                                "sha256": tree_digests(run_dir / REFERENCE_FILE, run_dir),
+                            }
                         metrics = rl_step(cfg, trainer, env, step, step_runner, reference)
                         phase = "rl"
                     elapsed = time.perf_counter() - t0

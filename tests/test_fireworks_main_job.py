@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -77,6 +79,7 @@ def test_fireworks_main_job_matches_local_and_never_leaks_the_key(
         return services[-1], client, world.control, client.job.id
 
     monkeypatch.setattr(fw_trainer, "_connect", fake_connect)
+    monkeypatch.setattr(fw_trainer, "probe", lambda url, **_: None)  # the fake has no socket
     monkeypatch.setattr(
         fw_trainer,
         "FireworksTrainer",
@@ -175,3 +178,58 @@ def test_cli_rejects_a_vision_model_before_any_work(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert "vision-language model" in err and SENTINEL not in err
     assert not (tmp_path / "tiny").exists()
+
+
+def _refused_port() -> int:
+    """A loopback port that refuses connections (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_control_plane_fails_fast_in_one_line(tmp_path, monkeypatch, capsys):
+    """Issue #12 row 8: offline, the SDK's retry loop ran 5 min, then a 101-line traceback."""
+    monkeypatch.setenv(KEY_ENV, SENTINEL)
+    url = f"http://127.0.0.1:{_refused_port()}"
+    args = ["train", "--config", str(TINY), "--backend", "fireworks", "--output-dir", str(tmp_path)]
+    args += ["--no-progress", "--set", f"fireworks.base_url='{url}'"]
+    for s in FW:
+        args += ["--set", s]
+    t0 = time.monotonic()
+    assert cli.main(args) == 2
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert elapsed < 10.0, elapsed  # the default bound is 10 s; a refusal answers at once
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot reach the Fireworks control "), (
+        err
+    )
+    assert url in err and "refused" in err.lower() and SENTINEL not in err
+
+
+def test_a_host_that_never_answers_is_bounded_by_connect_timeout(monkeypatch):
+    from runner._net import ServiceUnreachable, probe
+
+    with socket.socket() as listener:  # a full accept backlog: connects hang, never refused
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        hogs = []
+        try:
+            for _ in range(8):
+                c = socket.socket()
+                c.setblocking(False)
+                c.connect_ex(("127.0.0.1", port))
+                hogs.append(c)
+            t0 = time.monotonic()
+            try:
+                probe(f"http://127.0.0.1:{port}", timeout_s=0.5, what="test service", setting="x")
+            except ServiceUnreachable as exc:
+                assert "after" in str(exc) and "x = 0.5 s" in str(exc)
+            # (Linux may complete the handshake into the backlog: then the probe succeeds.)
+            assert time.monotonic() - t0 < 3.0
+        finally:
+            for c in hogs:
+                c.close()
+    with pytest.raises(ServiceUnreachable, match="cannot resolve host"):
+        probe("https://no-such-host.invalid", timeout_s=5.0, what="test service", setting="x")

@@ -444,3 +444,202 @@ def test_a_run_stopped_before_its_first_checkpoint_can_be_restarted(tmp_path, un
         run(done, restart=True, progress=False)
     with pytest.raises(ValueError, match="pass --resume to continue it"):
         run(done, progress=False)
+
+
+def _flip(path: Path, offset: int, n: int = 1) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(offset, offset + n):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_flipped_bytes_in_checkpoint_files_fail_closed_naming_the_file(tmp_path, uninterrupted):
+    """Issue #12 rows 1 and 6: 16 (or 1) flipped bytes in the orbax data loaded silently; 4 in a
+    sampler file too (max abs diff 163)."""
+    from runner.train import make_trainer, run
+
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', "rl.steps=4"])
+    run_dir = tmp_path / "tiny"
+    for n in (16, 1):
+        _copy_run(uninterrupted[0], run_dir)
+        m = ckpt.read_manifest(run_dir / "checkpoints", 6)
+        files = sorted(m["resumable"]["sha256"], key=lambda k: -(run_dir / k).stat().st_size)
+        data_file = run_dir / files[0]  # the largest: orbax's array data
+        assert "tree" in data_file.parts
+        _flip(data_file, data_file.stat().st_size // 2, n)
+        with pytest.raises(ckpt.CheckpointError, match=f"file {data_file} is corrupted"):
+            run(cfg, resume=True, progress=False)
+        # The backend checks its own files too, for a direct load_state without a manifest.
+        trainer = make_trainer(cfg, tmp_path / "probe")
+        with pytest.raises(ValueError, match=f"file {data_file} is corrupted"):
+            trainer.load_state(str(run_dir / m["resumable"]["provider_path"]))
+        import shutil
+
+        shutil.rmtree(run_dir)
+    # A sampler file (the promotable weights; the same loader reads the KL reference).
+    _copy_run(uninterrupted[0], run_dir)
+    m = ckpt.read_manifest(run_dir / "checkpoints", 6)
+    sampler = run_dir / m["promotable"]["snapshot_path"]
+    assert m["promotable"]["sha256"] == {m["promotable"]["snapshot_path"]: ANY_SHA}
+    _flip(sampler, sampler.stat().st_size - 64, 4)
+    trainer = make_trainer(cfg, tmp_path / "probe")
+    with pytest.raises(ValueError, match=f"sampler weights {sampler} are corrupted"):
+        trainer.load_weights(str(sampler))
+    # An untouched copy still resumes.
+    import shutil
+
+    shutil.rmtree(run_dir)
+    _copy_run(uninterrupted[0], run_dir)
+    assert run(cfg, resume=True, progress=False).metrics[-1]["step"] == 7
+
+
+class _AnySha:
+    def __eq__(self, other) -> bool:
+        return isinstance(other, str) and other.startswith("sha256:") and len(other) == 71
+
+
+ANY_SHA = _AnySha()
+
+
+def test_an_edited_or_foreign_manifest_fails_closed(tmp_path, uninterrupted):
+    """Issue #12 rows 2 and 4: the provider path edited to an older step, meta.json's step set
+    to 99, or another run's checkpoint in this directory were all accepted."""
+    from runner.train import RUN_FILE, run
+
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', "rl.steps=4"])
+    run_dir = _copy_run(uninterrupted[0], tmp_path / "tiny")
+    root = run_dir / "checkpoints"
+    path = ckpt.step_dir(root, 6) / "manifest.json"
+    good = json.loads(path.read_text())
+    older = json.loads((ckpt.step_dir(root, 4) / "manifest.json").read_text())
+
+    # The provider path pointed at step 4's state: its files are not the recorded ones.
+    edited = json.loads(path.read_text())
+    edited["resumable"]["provider_path"] = older["resumable"]["provider_path"]
+    path.write_text(json.dumps(edited))
+    with pytest.raises(ckpt.CheckpointError, match="name a file outside it"):
+        run(cfg, resume=True, progress=False)
+    # ... and with step 4's digests copied along: not the state saved as step 6.
+    edited["resumable"]["sha256"] = older["resumable"]["sha256"]
+    path.write_text(json.dumps(edited))
+    with pytest.raises(ckpt.CheckpointError, match="is not the state saved as"):
+        run(cfg, resume=True, progress=False)
+    path.write_text(json.dumps(good))
+
+    # meta.json's step set to 99.
+    meta = next((run_dir / good["resumable"]["provider_path"]).glob("v-*/meta.json"))
+    original = meta.read_text()
+    meta.write_text(original.replace('"step": ', '"step": 99, "was": '))
+    with pytest.raises(ckpt.CheckpointError, match=f"file {meta} is corrupted"):
+        run(cfg, resume=True, progress=False)
+    meta.write_text(original)
+
+    # Another run's identity: this directory's run.json names a different run.
+    ident = (run_dir / RUN_FILE).read_text()
+    (run_dir / RUN_FILE).write_text(json.dumps({"run_id": "0" * 32}))
+    with pytest.raises(ckpt.CheckpointError, match="belongs to run"):
+        run(cfg, resume=True, progress=False)
+    (run_dir / RUN_FILE).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="identity file .* is missing or corrupt"):
+        run(cfg, resume=True, progress=False)
+    (run_dir / RUN_FILE).write_text(ident)
+
+    # The manifest's digests removed: a local reference without digests is not trusted.
+    del edited["resumable"]["sha256"]
+    edited["resumable"]["provider_path"] = good["resumable"]["provider_path"]
+    path.write_text(json.dumps(edited))
+    with pytest.raises(ckpt.CheckpointError, match="no file digests recorded"):
+        run(cfg, resume=True, progress=False)
+    path.write_text(json.dumps(good))
+    assert run(cfg, resume=True, progress=False).metrics[-1]["step"] == 7
+
+
+def test_a_corrupted_kl_reference_fails_closed(tmp_path):
+    from runner.train import REFERENCE_FILE, run
+
+    base = [f'run.output_dir="{tmp_path}"', "rl.kl_coef=0.1", "checkpoint.interval=1"]
+    run(load_config(TINY, [*base, "rl.steps=2"]), progress=False)
+    run_dir = tmp_path / "tiny"
+    m = ckpt.read_manifest(run_dir / "checkpoints", 5)
+    assert m["run_state"]["reference"]["sha256"] == {REFERENCE_FILE: ANY_SHA}
+    ref = run_dir / REFERENCE_FILE
+    pristine = ref.read_bytes()
+    _flip(ref, ref.stat().st_size - 16, 4)
+    cfg = load_config(TINY, [*base, "rl.steps=3"])
+    with pytest.raises(ckpt.CheckpointError, match=f"KL reference: file {ref} is corrupted"):
+        run(cfg, resume=True, progress=False)
+    ref.write_bytes(pristine)
+    assert run(cfg, resume=True, progress=False).metrics[-1]["step"] == 6
+
+
+def test_fail_closed_states_end_in_one_error_line(tmp_path, uninterrupted, capsys):
+    """Issue #12 row 15: these were Python tracebacks (AttributeError, PermissionError, ...)."""
+    import shutil
+
+    from runner import __main__ as cli
+
+    args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path), "--no-progress"]
+    args += ["--resume", "--rl-steps", "4"]
+    run_dir = _copy_run(uninterrupted[0], tmp_path / "tiny")
+    root = run_dir / "checkpoints"
+    m = ckpt.read_manifest(root, 6)
+
+    def one_line(match: str) -> None:
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert match in err[0], err[0]
+
+    state = run_dir / m["resumable"]["provider_path"]
+    shutil.move(state, tmp_path / "aside")  # the state directory missing
+    one_line(f"resumable state {m['resumable']['provider_path']}: file")
+    shutil.move(tmp_path / "aside", state)
+
+    manifest = ckpt.step_dir(root, 6) / "manifest.json"
+    text = manifest.read_text()
+    manifest.write_text("[1, 2]")  # a JSON list
+    one_line("is not a JSON object (got list)")
+    manifest.write_text(text)
+
+    (root / "latest").rename(tmp_path / "latest")
+    (root / "latest").mkdir()  # `latest` a directory
+    one_line(f"{root / 'latest'} is unreadable")
+    (root / "latest").rmdir()
+    (tmp_path / "latest").rename(root / "latest")
+
+    if os.geteuid() != 0:  # root ignores permissions
+        fresh = ["train", "--config", str(TINY), "--output-dir", str(tmp_path / "ro")]
+        (tmp_path / "ro").mkdir(mode=0o555)
+        assert cli.main([*fresh, "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "Permission denied" in err[0] and str(tmp_path / "ro") in err[0]
+
+
+def test_sigint_stops_cleanly_naming_the_checkpoint_to_resume(tmp_path):
+    proc = subprocess.Popen(
+        _cmd(tmp_path), env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    marker = tmp_path / "tiny" / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    while time.time() < deadline and not (marker.exists() and marker.read_text().strip()):
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before SIGINT: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    lines = err.strip().splitlines()
+    if proc.returncode == 0:
+        pytest.skip("the run finished before SIGINT arrived")
+    assert proc.returncode == 130, err[-2000:]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    step = ckpt.latest_step(tmp_path / "tiny" / "checkpoints")
+    assert lines[0].startswith("error: interrupted; --resume continues from the checkpoint of ")
+    assert f"step {step} " in lines[0]

@@ -254,5 +254,5 @@ def test_run_closes_a_built_trainer_that_fails_the_check(tmp_path, monkeypatch):
         train_mod.run(_cfg(tmp_path), progress=False)
     assert closed == [True]
     run_dir = tmp_path / "tiny"
-    # no step, no metrics (the lock file of the one-process-per-run lock, and the config)
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.json"]
+    # no step, no metrics (the lock file of the one-process-per-run lock, the config, the run id)
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.json", "run.json"]

@@ -34,6 +34,7 @@ from fireworks.training.sdk import types
 from fireworks.training.sdk.client import GradAccNormalization
 
 from runner._atomic import atomic_write_json
+from runner._net import probe
 from runner._padding import CheckedSeqs
 from runner._types import NORMALIZATIONS, AdamParams, ForwardBackwardResult, Sample, Seq
 from runner.checkpoints import CheckpointError
@@ -780,7 +781,14 @@ def make_trainer(cfg: Any, run_dir: Path | str | None = None) -> FireworksTraine
     """
     validate_static(cfg)
     f = cfg.fireworks
-    service, client, control, job_id = _connect(f, api_key_from_env(f.api_key_env))
+    api_key = api_key_from_env(f.api_key_env)
+    probe(
+        f.base_url,
+        timeout_s=f.connect_timeout_s,
+        what="Fireworks control plane",
+        setting="[fireworks].connect_timeout_s",
+    )
+    service, client, control, job_id = _connect(f, api_key)
     return FireworksTrainer(
         client,
         service=service,

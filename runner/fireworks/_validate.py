@@ -120,7 +120,7 @@ def validate_static(cfg: Any) -> None:
         )
     if not f.base_url.startswith(("https://", "http://")):
         raise ValueError(f"config [fireworks].base_url must be an http(s) URL, got {f.base_url!r}")
-    for key in ("max_seq_len", "request_timeout_s", "identity_timeout_s"):
+    for key in ("max_seq_len", "request_timeout_s", "identity_timeout_s", "connect_timeout_s"):
         if not getattr(f, key) > 0:
             raise ValueError(f"config [fireworks].{key} must be > 0, got {getattr(f, key)!r}")
     if cfg.model.max_seq_len > f.max_seq_len:

@@ -3,9 +3,16 @@
 Layout under ``checkpoint_dir``::
 
     state/<name>/CURRENT            # "v-<hex>": the complete version; replaced atomically, last
-    state/<name>/v-<hex>/meta.json  # format, step, model config, parameter shapes
+    state/<name>/v-<hex>/meta.json  # format, step, model config, the tree files' sha256
     state/<name>/v-<hex>/tree/      # orbax-checkpoint pytree {"params", "opt_state"}
-    sampler/<name>.safetensors      # inference weights only, per-layer names
+    sampler/<name>.safetensors      # inference weights only, per-layer names; the header
+                                    # records the sha256 of the tensor data
+
+Integrity. ``meta.json`` records the sha256 of every file of ``tree/`` and the safetensors header
+the sha256 of the tensors (names, dtypes, shapes and bytes); both are verified before anything
+is used (`verify_state`, `load_weights`), so a flipped byte fails closed naming the file. The
+run-level manifest (`runner.checkpoints`) additionally records the digest of every file,
+``meta.json`` included.
 
 Atomicity. A resumable save writes a fresh ``tmp-<hex>`` directory beside the versions, renames
 it to ``v-<hex>`` (a rename of a new directory), then points ``CURRENT`` at it with
@@ -35,8 +42,10 @@ from typing import Any
 import numpy as np
 
 from runner._atomic import atomic_path, atomic_write_text, make_dirs, publish_dir
+from runner._digests import IntegrityError, bytes_digest, tree_digests, verify_tree
 
-FORMAT_VERSION = 1
+#: 2: integrity digests (a version-1 checkpoint, written without them, is refused).
+FORMAT_VERSION = 2
 STATE_KIND = "foldloss.local.state"
 SAMPLER_KIND = "foldloss.local.sampler"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -92,6 +101,7 @@ def save_state(root: Path, name: str, tree: Any, meta: Mapping[str, Any]) -> str
     try:
         write_tree(tmp / "tree", tree)
         meta = dict(meta, format_version=FORMAT_VERSION, kind=STATE_KIND, name=name)
+        meta["files"] = tree_digests(tmp / "tree", tmp)
         meta["saved_at_ns"] = time.time_ns()
         atomic_write_text(tmp / "meta.json", json.dumps(meta, sort_keys=True, indent=1) + "\n")
         version = base / f"v-{token}"
@@ -130,8 +140,12 @@ def list_states(root: Path | None) -> list[str]:
     for base in states.iterdir():
         version = _current_version(base) if _NAME_RE.match(base.name) else None
         if version is not None:
-            meta = json.loads((version / "meta.json").read_text())
-            found.append((meta.get("saved_at_ns", 0), base.name))
+            try:
+                meta = json.loads((version / "meta.json").read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                continue  # unreadable: not a complete checkpoint
+            if isinstance(meta, dict):
+                found.append((meta.get("saved_at_ns", 0), base.name))
     return [name for _, name in sorted(found)]
 
 
@@ -159,12 +173,25 @@ def resolve_state(root: Path | None, ref: Any) -> Path:
 
 
 def read_meta(version: Path) -> dict:
-    meta = json.loads((version / "meta.json").read_text())
+    """The version's ``meta.json``, after verifying every tree file against its digests.
+
+    Raises:
+      ValueError: not a checkpoint of this format; `IntegrityError` (a ``ValueError``): a tree
+        file is missing, modified or foreign (the message names it).
+    """
+    path = version / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IntegrityError(f"{path} is unreadable or corrupted: {exc}") from None
+    if not isinstance(meta, dict):
+        raise IntegrityError(f"{path} is corrupted: not a JSON object")
     if meta.get("format_version") != FORMAT_VERSION or meta.get("kind") != STATE_KIND:
         raise ValueError(
             f"{version}: not a {STATE_KIND} checkpoint of format {FORMAT_VERSION} "
             f"(kind={meta.get('kind')!r}, format_version={meta.get('format_version')!r})"
         )
+    verify_tree(version, meta.get("files"), what=f"checkpoint {version}", under="tree")
     return meta
 
 
@@ -177,11 +204,25 @@ def save_weights(root: Path, name: str, tensors: Mapping[str, np.ndarray], meta:
 
     check_name(name)
     final = make_dirs(Path(root) / "sampler") / f"{name}.safetensors"
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     metadata = {"format": SAMPLER_KIND, "format_version": str(FORMAT_VERSION)}
     metadata.update({k: json.dumps(v, sort_keys=True) for k, v in meta.items()})
+    metadata["data_sha256"] = tensors_digest(arrays)
     with atomic_path(final) as tmp:
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
+        save_file(arrays, tmp, metadata=metadata)
     return str(final)
+
+
+def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
+    """sha256 over the tensors in name order: each name, dtype, shape and raw bytes."""
+
+    def chunks():
+        for k in sorted(tensors):
+            v = np.ascontiguousarray(tensors[k])
+            yield f"{k}\0{v.dtype.str}\0{v.shape}\0".encode()
+            yield memoryview(v).cast("B") if v.size else b""
+
+    return bytes_digest(chunks())
 
 
 def resolve_weights(root: Path | None, ref: Any) -> Path:
@@ -199,16 +240,39 @@ def resolve_weights(root: Path | None, ref: Any) -> Path:
 
 
 def load_weights(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Reads a sampler checkpoint: ``(tensors by name, metadata with JSON values decoded)``."""
+    """Reads a sampler checkpoint: ``(tensors by name, metadata with JSON values decoded)``.
+
+    The tensor data is verified against the header's ``data_sha256`` before it is returned.
+
+    Raises:
+      IntegrityError: the file is unreadable, has no digest, or its tensors differ from it.
+      ValueError: not a sampler checkpoint of this format.
+    """
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="numpy") as f:
-        raw_meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if raw_meta.get("format") != SAMPLER_KIND:
-        raise ValueError(f"{path}: not a {SAMPLER_KIND} safetensors file")
-    meta = {
-        k: (json.loads(v) if k not in ("format", "format_version") else v)
-        for k, v in raw_meta.items()
-    }
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            raw_meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise IntegrityError(f"sampler weights {path} are unreadable or corrupted: {exc}") from None
+    if raw_meta.get("format") != SAMPLER_KIND or raw_meta.get("format_version") != str(
+        FORMAT_VERSION
+    ):
+        raise ValueError(
+            f"{path}: not a {SAMPLER_KIND} safetensors file of format {FORMAT_VERSION}"
+        )
+    recorded = raw_meta.get("data_sha256")
+    if not recorded or tensors_digest(tensors) != recorded:
+        raise IntegrityError(
+            f"sampler weights {path} are corrupted or were modified: their tensors' sha256 "
+            "differs from the one recorded when they were written"
+        )
+    try:
+        meta = {
+            k: (json.loads(v) if k not in ("format", "format_version", "data_sha256") else v)
+            for k, v in raw_meta.items()
+        }
+    except json.JSONDecodeError as exc:
+        raise IntegrityError(f"sampler weights {path}: corrupted metadata: {exc}") from None
     return tensors, meta
