@@ -1,10 +1,11 @@
-"""Writes benchmarks/RESULTS.md from the JSON that the three benchmarks wrote.
+"""Writes benchmarks/RESULTS.md from the JSON that the four benchmarks wrote.
 
 Run the benchmarks first (default arguments), then ``python benchmarks/make_results.py``:
 
     python benchmarks/grad_equivalence.py
     python benchmarks/loss_speed.py
     python benchmarks/compile_count.py
+    python benchmarks/checkpoint_integrity.py
     python benchmarks/make_results.py [--results bench_results] [--out benchmarks/RESULTS.md]
 
 Tables come from each JSON's ``markdown`` field; the machine block from ``machine``. Any
@@ -20,11 +21,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ("grad_equivalence", "loss_speed", "compile_count")
+ORDER = ("grad_equivalence", "loss_speed", "compile_count", "checkpoint_integrity")
 TITLES = {
     "grad_equivalence": "Gradient equivalence (local model, calculator-env trajectories)",
     "loss_speed": "Loss-kernel speed (client side: ragged logprobs in, -grad weights out)",
     "compile_count": "Compile counts and padding overhead",
+    "checkpoint_integrity": "Checkpoint integrity (sha256 of every file, verified before a load)",
 }
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-NAMES = ("grad_equivalence", "loss_speed", "compile_count")
+NAMES = ("grad_equivalence", "loss_speed", "compile_count", "checkpoint_integrity")
 
 
 def load(name: str):
@@ -109,12 +109,25 @@ def test_compile_count_quick(quick):
     assert r["real_tokens"] > 0
 
 
+def test_checkpoint_integrity_quick(quick):
+    out, _ = quick
+    (row,) = read_json(out / "checkpoint_integrity.json")["result"]["rows"]
+    assert row["params"] > 0 and row["state_bytes"] > 0
+    for key in ("save_state_s", "state_digest_s", "load_state_s", "state_verify_s"):
+        assert row[key] > 0, key
+
+
 def test_make_results_renders_every_table(quick, tmp_path):
     out, _ = quick
     md = tmp_path / "RESULTS.md"
     load("make_results").main(["--results", str(out), "--out", str(md)])
     text = md.read_text()
-    for title in ("Parameter gradient vs direct jax.grad", "Loss + gradient", "compilations"):
+    for title in (
+        "Parameter gradient vs direct jax.grad",
+        "Loss + gradient",
+        "compilations",
+        "Checkpoint integrity cost",
+    ):
         assert title in text
     assert "python benchmarks/loss_speed.py --quick" in text
 
