@@ -90,10 +90,44 @@ def _adam(cfg: Config, lr: float) -> AdamParams:
     )
 
 
+def sft_examples(cfg: Config, env: CalcEnv, step: int) -> list[tuple[np.ndarray, ...]]:
+    """SFT step ``step``'s demonstrations (a pure function of ``(seed, step)``)."""
+    rng = _rng(cfg, 1, step)
+    return [expert_sft_example(env, env.sample_problem(rng)) for _ in range(cfg.sft.batch_size)]
+
+
+def check_task_fits(cfg: Config, env: CalcEnv, *, start: int = 1) -> None:
+    """``[model].max_seq_len`` against the task, before any work: the longest prompt must leave
+    room for an action token, and every SFT demonstration still to train (steps ``start`` to
+    ``[sft].steps``) must fit the model's input.
+
+    Raises:
+      ValueError: naming the key, the step and what length it needs.
+    """
+    limit = cfg.model.max_seq_len
+    prompt = env.max_prompt_tokens()
+    if prompt >= limit + 1:
+        raise ValueError(
+            f"config [model].max_seq_len = {limit} leaves no room for an action after the task's "
+            f"longest prompt ({prompt} tokens); raise it above {prompt - 1}"
+        )
+    worst = None
+    for step in range(start, cfg.sft.steps + 1):
+        for i, (p, c, _) in enumerate(sft_examples(cfg, env, step)):
+            need = len(p) + len(c) - 1  # the model input: the sequence minus its last token
+            if need > limit and (worst is None or need > worst[0]):
+                worst = (need, step, i)
+    if worst is not None:
+        need, step, i = worst
+        raise ValueError(
+            f"config [model].max_seq_len = {limit} is shorter than SFT demonstrations: step "
+            f"{step}, example {i} needs {need} model-input tokens; raise it to at least {need}"
+        )
+
+
 def sft_step(cfg: Config, trainer: Trainer, env: CalcEnv, step: int) -> dict[str, float]:
     """One SFT step through the SFT translation path (collate → translate → cross_entropy)."""
-    rng = _rng(cfg, 1, step)
-    examples = [expert_sft_example(env, env.sample_problem(rng)) for _ in range(cfg.sft.batch_size)]
+    examples = sft_examples(cfg, env, step)
     sequences, attention, loss_mask = collate_sft(examples, pad_id=tokenizer.PAD_ID)
     seqs = translate_sft_batch(sequences, attention, loss_mask, max_seq_len=cfg.model.max_seq_len)
     result = trainer.forward_backward(seqs, "cross_entropy")
@@ -465,6 +499,7 @@ def run(
                 "choose another --name"
             )
         )
+    check_task_fits(cfg, make_env(cfg), start=start)
     owned = trainer is None
     if not owned:  # a received trainer: check it before the run directory is touched
         caps = check_capabilities(cfg, trainer, start=start)

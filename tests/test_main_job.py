@@ -354,6 +354,31 @@ def test_values_that_fail_late_are_refused_before_any_work(override, message):
         load_config(TINY, [override])
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.max_seq_len=12"],
+            r"max_seq_len = 12 is shorter than SFT demonstrations: step \d+, example \d+ needs "
+            r"\d+ model-input tokens",
+        ),
+        (
+            ["model.max_seq_len=7", "sft.steps=0"],
+            r"max_seq_len = 7 leaves no room for an action after the task's longest prompt",
+        ),
+    ],
+)
+def test_max_seq_len_is_checked_against_the_task_before_any_work(tmp_path, overrides, message):
+    """Issue #12 item 6: a model context too short for the SFT demonstrations failed at step 1,
+    after the step-0 evaluation had written the run directory."""
+    from runner.train import run
+
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', *overrides])
+    with pytest.raises(ValueError, match=message):
+        run(cfg, progress=False)
+    assert not (tmp_path / "tiny").exists()
+
+
 def test_two_processes_on_one_run_directory(tmp_path):
     """Issue #12 row 5: two processes with the same --name both ran and interleaved their steps;
     now the second fails at once naming the first's pid, and the first finishes normally."""
