@@ -64,6 +64,13 @@ def policy_term(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     twin: Twin | None = None,
+    kl_score_function: bool = False,
+    kl_importance_weight: bool = False,
+    kl_target: str = "ref_logprobs",
+    anchor: str = "old_logprobs",
+    accepts_correction: bool = True,
+    pass_batch: bool = False,
+    correction_to_per_token: bool = False,
 ) -> Term:
     """Builds a policy `Term` from a per-token loss; shared by the whole policy family.
 
@@ -88,9 +95,24 @@ def policy_term(
         ``max_tokens``, ``max_log_ratio`` and ``correction`` are added when missing.
       correction: ``None``, a `losses.mismatch_correction` or a mapping of its keywords.
       kl_coef: β ≥ 0 of a KL penalty to ``ref_logprobs`` (not corrected); 0 = off.
-      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (or a sampler form of
+        ``losses._common.SAMPLER_KL_FORMS`` with ``kl_target="sampling_logprobs"``).
       twin: the built-in kernel that computes the term exactly when no correction and no KL is
         on and ``max_log_ratio`` is the kernels' 20 (`losses.builtin_twin`); dropped otherwise.
+      kl_score_function: the KL estimate's score-function gradient ``δ`` (`kl_penalty`).
+      kl_importance_weight: multiply the KL estimate by ``r = exp(p - old)``, not detached
+        (DeepSeek-V3.2 / TRL ``use_bias_correction_kl``; detached for score-function forms).
+      kl_target: the field the KL compares ``p`` with (``ref_logprobs``; ``sampling_logprobs``
+        for a trust region toward the sampler).
+      anchor: the field of the ratio's anchor ``q`` (``old_logprobs``; ``sampling_logprobs``
+        for terms defined against the sampler, e.g. prime-rl's).
+      accepts_correction: the constructor has a ``correction`` keyword (else it is not a config
+        key and must be None).
+      pass_batch: also pass the (stop-gradiented) ``batch=`` to ``per_token`` (terms that read
+        batch-global data, e.g. Clip-Cov's PRNG seed).
+      correction_to_per_token: pass the correction weights to ``per_token`` as
+        ``correction=`` float[B, T] (ones without a correction) instead of multiplying ``ℓ`` by
+        them (VESPO folds them into its sequence weight).
 
     The term reads ``action_mask``, ``advantages``, ``old_logprobs``, ``ref_logprobs`` (with
     KL), ``sampling_logprobs`` (with a correction) and the reduction's normalizers (`Term.reads`).
@@ -107,13 +129,20 @@ def policy_term(
     cfg.setdefault("max_tokens", max_tokens)
     if max_log_ratio is not None:
         cfg.setdefault("max_log_ratio", max_log_ratio)
-    cfg.setdefault("correction", None if corr is None else corr.as_config())
-    requires = {"action_mask", "advantages", "old_logprobs"}
+    if accepts_correction:
+        cfg.setdefault("correction", None if corr is None else corr.as_config())
+    elif corr is not None:  # pragma: no cover - constructors without the keyword pass None
+        raise ValueError(f"{kind}: takes no correction")
+    requires = {"action_mask", "advantages", anchor}
     if kl_coef > 0.0:
-        requires.add("ref_logprobs")
+        requires.add(kl_target)
+        if kl_importance_weight:
+            requires.add("old_logprobs")
     if corr is not None:
-        requires.add("sampling_logprobs")
+        requires |= corr.requires
     reads = frozenset(requires) | reduction_reads(reduction, "action")
+    if corr is not None:
+        reads |= corr.reads
     exact_ratio = max_log_ratio is None or max_log_ratio == TWIN_MAX_LOG_RATIO
     if corr is not None or kl_coef > 0.0 or not exact_ratio:
         twin = None
@@ -121,29 +150,47 @@ def policy_term(
     def loss_fn(logprobs, batch: Batch):
         lp = check_logprobs_shape(logprobs, batch)
         batch = jax.lax.stop_gradient(batch)
-        anchor = require(batch, "old_logprobs", kind)
+        q = require(batch, anchor, kind)
         valid = batch.action_mask > 0
         adv = per_token_advantages(batch, valid, kind)
         w = term_weights(batch, "action", reduction, max_tokens)
-        log_ratio = clamped_log_ratio(lp, anchor, valid, mlr)
-        terms_BT, extra = per_token(
+        log_ratio = clamped_log_ratio(lp, q, valid, mlr)
+        inputs = dict(
             logprobs=safe(lp, valid),
-            anchor=safe(jax.lax.stop_gradient(anchor), valid),
+            anchor=safe(jax.lax.stop_gradient(q), valid),
             log_ratio=log_ratio,
             adv=adv,
             valid=valid,
         )
-        terms_BT = safe(terms_BT, valid)
+        if pass_batch:
+            inputs["batch"] = batch
         metrics: dict[str, jax.Array] = {}
+        c_BT = None
         if corr is not None:
-            c_BT, corr_metrics = corr.weights(batch, valid)
-            terms_BT = c_BT * terms_BT
+            c_BT, corr_metrics = corr.weights(batch, valid, logprobs=lp)
             metrics.update(corr_metrics)
+        if correction_to_per_token:
+            inputs["correction"] = valid.astype(lp.dtype) if c_BT is None else c_BT
+        terms_BT, extra = per_token(**inputs)
+        terms_BT = safe(terms_BT, valid)
+        if c_BT is not None and not correction_to_per_token:
+            terms_BT = c_BT * terms_BT
         pg_loss = jnp.sum(w * terms_BT)
         loss = pg_loss
         if kl_coef > 0.0:
-            ref = require(batch, "ref_logprobs", kind)
-            kl_BT = kl_penalty(lp, ref, valid, estimator=kl_estimator, max_log_ratio=mlr)
+            target = require(batch, kl_target, kind)
+            iw = None
+            if kl_importance_weight:
+                iw = clamped_log_ratio(lp, require(batch, "old_logprobs", kind), valid, mlr)
+            kl_BT = kl_penalty(
+                lp,
+                target,
+                valid,
+                estimator=kl_estimator,
+                max_log_ratio=mlr,
+                score_function=kl_score_function,
+                importance_log_ratio=iw,
+            )
             kl_loss = kl_coef * jnp.sum(w * kl_BT)
             loss = pg_loss + kl_loss
             metrics["kl"] = masked_mean(kl_BT, valid)
@@ -217,9 +264,16 @@ def ratio_bounds(
     return lo, hi
 
 
-def _kl_args(where, kl_coef, kl_estimator):
+def _kl_args(where, kl_coef, kl_estimator, kl_score_function=False, kl_importance_weight=False):
+    """Validates the reference-KL keywords shared by `grpo` and `reinforce`; returns β."""
     kl_coef = check_number(where, "kl_coef", kl_coef, low=0.0)
     check_choice(where, "kl_estimator", kl_estimator, KL_ESTIMATORS)
+    for name, value in (
+        ("kl_score_function", kl_score_function),
+        ("kl_importance_weight", kl_importance_weight),
+    ):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {name} must be a bool, got {value!r}")
     return kl_coef
 
 
@@ -638,6 +692,8 @@ def reinforce(
     max_tokens: float | None = None,
     max_log_ratio: float = 20.0,
     correction: Any = None,
+    kl_score_function: bool = False,
+    kl_importance_weight: bool = False,
 ) -> Term:
     """REINFORCE / GPG: ``ℓ = -sg(ω)·A·p`` (Williams 1992; verl ``gpg``).
 
@@ -656,6 +712,12 @@ def reinforce(
       max_tokens: the ``seq_mean_token_sum_norm`` constant.
       max_log_ratio: clamp of ``p - q`` and ``p - ref`` before ``exp``.
       correction: optional `losses.mismatch_correction` (weights the policy part only).
+      kl_score_function: keep the estimator's value but give it the score-function gradient
+        ``δ = p - ref`` (verl ``k1+``/``k3+``; with ``k1`` the unbiased score-function k1 form
+        = k1 in the reward). See `losses.grpo` for the table of gradients.
+      kl_importance_weight: multiply the KL estimate by ``r = exp(p - old)``, **not** detached
+        (DeepSeek-V3.2, TRL ``use_bias_correction_kl``, slime ``--use-unbiased-kl``): with
+        ``k3`` the gradient is ``r·δ``, unbiased for ``∇KL(p‖ref)`` on tokens from the anchor.
 
     Returns:
       A `Term`. Metrics add ``weight_mean`` (mean ``ω``) and, with KL, ``pg_loss``,
@@ -670,7 +732,7 @@ def reinforce(
         if not ratio_weight:
             raise ValueError(f"{where}: ratio_cap needs ratio_weight=True")
         cap = check_number(where, "ratio_cap", ratio_cap, low=0.0, low_open=True)
-    kl_coef = _kl_args(where, kl_coef, kl_estimator)
+    kl_coef = _kl_args(where, kl_coef, kl_estimator, kl_score_function, kl_importance_weight)
 
     def per_token(*, logprobs, log_ratio, adv, **_):
         if ratio_weight:
@@ -689,11 +751,18 @@ def reinforce(
         max_tokens=max_tokens,
         max_log_ratio=mlr,
         config=dict(
-            ratio_weight=ratio_weight, ratio_cap=cap, kl_coef=kl_coef, kl_estimator=kl_estimator
+            ratio_weight=ratio_weight,
+            ratio_cap=cap,
+            kl_coef=kl_coef,
+            kl_estimator=kl_estimator,
+            kl_score_function=kl_score_function,
+            kl_importance_weight=kl_importance_weight,
         ),
         correction=correction,
         kl_coef=kl_coef,
         kl_estimator=kl_estimator,
+        kl_score_function=kl_score_function,
+        kl_importance_weight=kl_importance_weight,
         # The Fireworks ``reinforce`` kernel (undocumented; the cookbook's client twin uses the
         # unclipped ratio to the datum's logprobs): exact for the ratio-weighted form.
         twin=Twin("reinforce", {}, provenance="undocumented")

@@ -1,4 +1,4 @@
-"""Sequence-ratio policy terms: GSPO (GSPO-token gradient form) and GMPO (geometric mean).
+"""Sequence-ratio policy terms: GSPO (GSPO-token gradient form), LUSPO and GMPO.
 
 Both compute a per-row ratio from the masked mean of the token log-ratios. Padding and masked
 tokens never enter the mean (the denominator is the row's action-token count ``N_i``), and every
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from losses._batch import Term, Twin
 from losses._common import check_number, ppo_clip_terms
-from losses._policy import _common_args, policy_term, ratio_bounds
+from losses._policy import TWIN_MAX_LOG_RATIO, _common_args, policy_term, ratio_bounds
 
 #: GSPO paper / TRL recipe clip offsets (ε_lo, ε_hi).
 GSPO_DEFAULT_OFFSETS = (3e-4, 4e-4)
@@ -44,6 +44,7 @@ def gspo(
     max_tokens: float | None = None,
     max_log_ratio: float = 20.0,
     correction: Any = None,
+    delta: float | None = None,
 ) -> Term:
     """GSPO with the GSPO-token gradient form (Zheng et al. 2025, arXiv:2507.18071).
 
@@ -70,6 +71,13 @@ def gspo(
     turns out to divide by the response length, as the cookbook's algorithm-module revision
     suggests).
 
+    **TRL GSPO-token** (``trl/experimental/gspo_token``, ``importance_sampling_level=
+    "sequence_token"``; policy-losses-2.md §3.3) is this term with no ``≤ 10`` clamp: take
+    ``seq_ratio_log_cap ≥ max_log_ratio`` (e.g. 20), which never binds because ``log s_i`` is a
+    mean of log-ratios clamped to ``±max_log_ratio``; TRL's ``delta`` is the ``delta`` keyword.
+    With ``delta = δ`` the unclipped branch uses ``min(s_it, δ)`` (as `losses.grpo`): the
+    gradient is also 0 for ``A > 0, s_i > δ`` and ``A < 0, s_i > max(hi, δ)``.
+
     Args:
       clip_low_threshold: lower bound ``lo ∈ [0, 1]`` on ``s`` (default ``1 - 3e-4``).
       clip_high_threshold: upper bound ``hi ≥ 1`` on ``s`` (default ``1 + 4e-4``).
@@ -80,6 +88,7 @@ def gspo(
       max_tokens: the ``seq_mean_token_sum_norm`` constant.
       max_log_ratio: clamp of each token's ``p - q`` before it enters the mean.
       correction: optional `losses.mismatch_correction`.
+      delta: TRL's cap ``δ > 1`` of the unclipped sequence ratio; None = off.
 
     Returns:
       A `Term`; ``config`` holds the absolute thresholds. Metrics add ``seq_ratio_mean`` (mean
@@ -87,6 +96,110 @@ def gspo(
       ``cap_frac`` (action tokens whose gradient each zeroes).
     """
     where = "gspo"
+    cap = check_number(where, "seq_ratio_log_cap", seq_ratio_log_cap, low=0.0, low_open=True)
+    return _sequence_ratio_term(
+        where,
+        clip_low_threshold=clip_low_threshold,
+        clip_high_threshold=clip_high_threshold,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        cap=cap,
+        reduction=reduction,
+        max_tokens=max_tokens,
+        max_log_ratio=max_log_ratio,
+        correction=correction,
+        delta=delta,
+    )
+
+
+def luspo(
+    *,
+    clip_low_threshold: float | None = None,
+    clip_high_threshold: float | None = None,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    reduction: str = "seq_mean_token_sum",
+    max_tokens: float | None = None,
+    max_log_ratio: float = 20.0,
+    correction: Any = None,
+    delta: float | None = None,
+) -> Term:
+    """LUSPO: the GSPO sequence loss scaled by the row's length (TRL ``loss_type="luspo"``).
+
+    Length-Unbiased Sequence Policy Optimization (TRL ``grpo_trainer.py``, after PR #6654;
+    policy-losses-2.md §3.2) multiplies GSPO's per-sequence loss ``ℓ_i = -min(s_i·A_i,
+    clip(s_i, lo, hi)·A_i)`` by ``N_i`` and averages over sequences::
+
+        L = (1/N) Σ_i N_i·ℓ_i = (1/N) Σ_i Σ_t m_it·ℓ_i         (N = rows with a token)
+
+    which is GSPO's per-token loss under the ``seq_mean_token_sum`` reduction (the default
+    here), with the GSPO-token gradient ``∂L/∂p_t = -s_i·A/N`` where the clip is inactive and 0
+    where it is active — the gradient of TRL's sequence-level ratio when ``A`` is per row. As
+    in TRL there is no ``≤ 10`` clamp on ``log s_i`` (each token's ``p - q`` is clamped to
+    ``±max_log_ratio``). Example (§3.2): ``p - q = [0.1, 0.3]``, ``A = 1``, ``ε = 0.2``: ``s =
+    e^0.2 = 1.2214``, ``L = -min(1.2214, 1.2)·2 = -2.4`` with gradient 0 (clip active).
+
+    Departures: TRL before PR #6654 took ``mean((ℓ·N_i))`` over the padded ``[B, T]`` array
+    without the mask (weighting each sequence by ``N_i²/T`` and leaking padding); the default
+    clip offsets are GSPO's (3e-4/4e-4), not TRL's generic ``epsilon = 0.2``. With per-token
+    advantages the gradient is GSPO-token's (``-s_i·A_t`` per token), not TRL's (which needs a
+    per-row ``A``).
+
+    Args:
+      clip_low_threshold: lower bound ``lo ∈ [0, 1]`` on ``s`` (default ``1 - 3e-4``).
+      clip_high_threshold: upper bound ``hi ≥ 1`` on ``s`` (default ``1 + 4e-4``).
+      clip_low: alternatively ``ε_lo ∈ [0, 1]`` (default 3e-4).
+      clip_high: alternatively ``ε_hi ≥ 0`` (default 4e-4).
+      reduction: one of ``losses.REDUCTIONS``; LUSPO's own aggregation is the default
+        ``seq_mean_token_sum`` (any other makes it an uncapped `gspo`).
+      max_tokens: the ``seq_mean_token_sum_norm`` constant.
+      max_log_ratio: clamp of each token's ``p - q`` before it enters the mean.
+      correction: optional `losses.mismatch_correction`.
+      delta: TRL's cap ``δ > 1`` of the unclipped sequence ratio; None = off.
+
+    Returns:
+      A `Term` with `gspo`'s metrics. `losses.builtin_twin`: the Fireworks ``gspo`` kernel
+      (inferred) with ``seq_ratio_log_cap = 20``, which never binds — the reference's "LUSPO =
+      GSPO with ``A_i·N_i``": the reduction's weights fold into the advantages.
+
+    Example:
+      >>> import jax.numpy as jnp, losses
+      >>> batch = losses.Batch(action_mask=jnp.ones((1, 2)), advantages=jnp.array([1.0]),
+      ...                      sampling_logprobs=jnp.array([[-1.1, -1.3]]))
+      >>> loss, _ = losses.luspo(clip_low=0.2, clip_high=0.2)(jnp.array([[-1.0, -1.0]]), batch)
+      >>> round(float(loss), 6)
+      -2.4
+    """
+    return _sequence_ratio_term(
+        "luspo",
+        clip_low_threshold=clip_low_threshold,
+        clip_high_threshold=clip_high_threshold,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        cap=None,
+        reduction=reduction,
+        max_tokens=max_tokens,
+        max_log_ratio=max_log_ratio,
+        correction=correction,
+        delta=delta,
+    )
+
+
+def _sequence_ratio_term(
+    where,
+    *,
+    clip_low_threshold,
+    clip_high_threshold,
+    clip_low,
+    clip_high,
+    cap,
+    reduction,
+    max_tokens,
+    max_log_ratio,
+    correction,
+    delta,
+) -> Term:
+    """`gspo` (``cap`` a number) and `luspo` (``cap=None``: no clamp of ``log s_it``)."""
     mlr = _common_args(where, reduction, max_tokens, max_log_ratio)
     lo, hi = ratio_bounds(
         where,
@@ -97,35 +210,53 @@ def gspo(
         default_thresholds=(1.0 - GSPO_DEFAULT_OFFSETS[0], 1.0 + GSPO_DEFAULT_OFFSETS[1]),
         default_offsets=GSPO_DEFAULT_OFFSETS,
     )
-    cap = check_number(where, "seq_ratio_log_cap", seq_ratio_log_cap, low=0.0, low_open=True)
+    if delta is not None:
+        delta = check_number(where, "delta", delta, low=1.0, low_open=True)
+    # The delta cap has no kernel key: it is a dual clip only for A < 0.
+    high = hi if delta is None else min(hi, delta)
+    dual = None if delta is None else max(hi, delta)
 
     def per_token(*, logprobs, log_ratio, adv, valid, **_):
         dtype = log_ratio.dtype
         m = valid.astype(dtype)
         log_s, n = _row_mean(jax.lax.stop_gradient(log_ratio), m)  # [B, 1]
-        log_s_tok = jnp.minimum(log_s + (logprobs - jax.lax.stop_gradient(logprobs)), cap)
-        terms = ppo_clip_terms(log_s_tok, adv, ratio_low=lo, ratio_high=hi)
-        s = jnp.exp(jnp.minimum(log_s, cap))
+        log_s_tok = log_s + (logprobs - jax.lax.stop_gradient(logprobs))
+        if cap is not None:
+            log_s_tok = jnp.minimum(log_s_tok, cap)
+        terms = ppo_clip_terms(log_s_tok, adv, ratio_low=lo, ratio_high=hi, delta=delta)
+        s = jnp.exp(log_s if cap is None else jnp.minimum(log_s, cap))
         extra = {
             "seq_ratio_mean": _active_row_mean(jnp.exp(log_s), n),
             "clip_frac_low": (valid & (adv < 0) & (s < lo)).astype(dtype),
-            "clip_frac_high": (valid & (adv > 0) & (s > hi)).astype(dtype),
-            "cap_frac": (valid & (log_s > cap)).astype(dtype),
+            "clip_frac_high": (valid & (adv > 0) & (s > high)).astype(dtype),
+            "cap_frac": (valid & (log_s > cap)).astype(dtype)
+            if cap is not None
+            else jnp.zeros_like(log_ratio),
         }
+        if dual is not None:
+            extra["delta_frac"] = (valid & (adv < 0) & (s > dual)).astype(dtype)
         return terms, extra
 
+    config = dict(clip_low_threshold=lo, clip_high_threshold=hi)
+    if cap is not None:
+        config["seq_ratio_log_cap"] = cap
+    config["delta"] = delta
+    # LUSPO has no clamp: the kernel's cap at 20 (= every twin's max_log_ratio) never binds.
+    kernel_cap = TWIN_MAX_LOG_RATIO if cap is None else cap
     return policy_term(
-        name="gspo",
-        kind="gspo",
+        name=where,
+        kind=where,
         per_token=per_token,
         reduction=reduction,
         max_tokens=max_tokens,
         max_log_ratio=mlr,
-        config=dict(clip_low_threshold=lo, clip_high_threshold=hi, seq_ratio_log_cap=cap),
+        config=config,
         correction=correction,
-        twin=Twin(
+        twin=None
+        if delta is not None
+        else Twin(
             "gspo",
-            {"clip_low_threshold": lo, "clip_high_threshold": hi, "seq_ratio_log_cap": cap},
+            {"clip_low_threshold": lo, "clip_high_threshold": hi, "seq_ratio_log_cap": kernel_cap},
             provenance="inferred",
         ),
     )

@@ -41,6 +41,24 @@ TIS_TOK = losses.mismatch_correction(kind="tis", level="token", cap=1.5)
 TIS_SEQ = losses.mismatch_correction(kind="tis", level="sequence", cap=2.5)
 MIS_TOK = losses.mismatch_correction(kind="mis", level="token", low=0.6, high=1.7)
 MIS_SEQ = losses.mismatch_correction(kind="mis", level="sequence", high=3.0)
+ICEPOP = losses.mismatch_correction(kind="icepop", low=0.55, high=2.3)
+OPSM = losses.mismatch_correction(kind="opsm", delta=0.04)
+#: verl-style IS + rejection chain: sequence TIS, seq_sum k1 bounds, token k3 upper bound.
+RS_CHAIN = losses.correction_chain(
+    losses.mismatch_correction(kind="tis", level="sequence", cap=2.5),
+    losses.mismatch_correction(
+        kind="rejection", level="seq_sum", statistic="k1", low=0.3, high=2.6
+    ),
+    losses.mismatch_correction(kind="rejection", level="token", statistic="k3", high=0.35),
+)
+#: Masks only: seq_mean k1 (geometric), seq_max k2, and OPSM on the old logprobs.
+RS_SEQ = losses.correction_chain(
+    losses.mismatch_correction(
+        kind="rejection", level="seq_mean", statistic="k1", low=0.7, high=1.45
+    ),
+    losses.mismatch_correction(kind="rejection", level="seq_max", statistic="k2", high=0.45),
+    losses.mismatch_correction(kind="opsm", delta=0.1, behaviour="old"),
+)
 
 #: The policy family: (constructor name, keywords). Odd-looking bounds keep ties with the data away.
 POLICY_CONFIGS = [
@@ -109,6 +127,113 @@ POLICY_CONFIGS = [
             reduction="seq_mean_token_mean",
             correction=MIS_SEQ,
         ),
+    ),
+    ("importance_sampling", dict(reduction="seq_mean_token_mean", correction=ICEPOP)),
+    ("ppo", dict(reduction="token_sum", correction=OPSM)),
+    ("grpo", dict(clip_high=0.28, correction=RS_CHAIN)),
+    ("cispo", dict(reduction="seq_mean_token_sum", correction=RS_SEQ)),
+]
+# -- policy-losses-2.md §2-3 (task policy2): KL variants, newer objectives ----------------------
+#: Generic properties that cannot hold (or that the generic oracle does not model) for a case,
+#: as ``(test function name, reason)`` pairs; `over` marks them skipped with the reason.
+_REF = "test_matches_numpy_reference"
+_ON_POLICY = "test_on_policy_gradient_is_minus_advantage_times_weight"
+_TRUST = "test_zero_gradient_exactly_where_the_trust_region_says"
+_SPLIT = "test_split_batch_reproduces_full_batch"
+_PERM = "test_row_permutation_invariance"
+_PAD = "test_padding_rows_and_columns_change_nothing"
+_MICRO = "covariance statistics are per call (verl): split_batch is not exact (module docstring)"
+_ORACLE = "expected_zero does not model this term; test_policy_family.py checks its zero set"
+_PHI = "VESPO's φ underflows to exactly 0 for large sequence weights (a soft trust region)"
+COV_SKIPS = (
+    (_ON_POLICY, "Clip-Cov detaches covariance candidates even on-policy"),
+    (_TRUST, "Clip-Cov zeroes a covariance subset: test_policy_family.py checks its zero set"),
+    (_SPLIT, _MICRO),
+)
+RANDOM_SKIPS = COV_SKIPS + (
+    (_REF, "a random subset: test_policy_family.py checks membership and the value given it"),
+    (_PAD, "compared with the NumPy reference, which cannot draw JAX's subset"),
+    (_PERM, "the subset is keyed by (row, column)"),
+)
+TOPK_SKIPS = (
+    (_REF, "top-k near ties round differently in NumPy (test_policy_family.py: tie-free data)"),
+    (_PAD, "compared with the NumPy reference (near ties)"),
+    (_PERM, "ties at the top-k boundary are broken by position"),
+    (_SPLIT, _MICRO),
+)
+POLICY_CONFIGS += [
+    # KL variants on grpo / reinforce (has_kl: no trust-region property).
+    ("grpo", dict(delta=1.9, kl_coef=0.07, kl_importance_weight=True)),
+    (
+        "grpo",
+        dict(kl_coef=0.1, kl_estimator="k1", kl_importance_weight=True, reduction="token_sum"),
+    ),
+    ("grpo", dict(kl_coef=0.2, kl_estimator="k3", kl_score_function=True, correction=TIS_TOK)),
+    (
+        "reinforce",
+        dict(
+            ratio_weight=True,
+            kl_coef=0.3,
+            kl_estimator="k2",
+            kl_score_function=True,
+            kl_importance_weight=True,
+            reduction="seq_mean_token_sum",
+        ),
+    ),
+    # Two-sided delta and LUSPO (the trust-region oracle knows neither).
+    ("grpo", dict(delta=1.45, clip_high=0.28), ((_TRUST, _ORACLE),)),
+    (
+        "gspo",
+        dict(clip_low=0.2, clip_high=0.25, delta=1.6, reduction="token_sum"),
+        ((_TRUST, _ORACLE),),
+    ),
+    ("luspo", {}, ((_TRUST, _ORACLE),)),
+    (
+        "luspo",
+        dict(clip_low=0.15, clip_high=0.2, delta=2.1, correction=TIS_TOK),
+        ((_TRUST, _ORACLE),),
+    ),
+    # Clip-Cov: every candidate zeroed (deterministic), then the random subset.
+    (
+        "clip_cov",
+        dict(
+            clip_cov_ratio=1.0, clip_cov_lb=0.6173, clip_cov_ub=4.391, clip_low=0.15, clip_high=0.25
+        ),
+        COV_SKIPS,
+    ),
+    ("clip_cov", dict(seed=7, reduction="seq_mean_token_mean", correction=MIS_TOK), RANDOM_SKIPS),
+    # KL-Cov: every token penalised (micro-batch exact), then the top-1 token.
+    ("kl_cov", dict(kl_cov_ratio=1.0, ppo_kl_coef=0.3, correction=TIS_SEQ)),
+    ("kl_cov", dict(reduction="token_sum"), TOPK_SKIPS),
+    # VESPO: φ underflows to exactly 0 for large sequence weights (a soft trust region).
+    ("vespo", {}, ((_TRUST, _PHI),)),
+    (
+        "vespo",
+        dict(k_pos=1.5, lambda_pos=2.5, k_neg=2.5, lambda_neg=1.5, correction=MIS_TOK),
+        ((_TRUST, _PHI),),
+    ),
+    ("dppo_tv_kl", {}),
+    (
+        "dppo_tv_kl",
+        dict(mask_low=0.05, mask_high=0.1, kl_tau=0.05, reduction="seq_mean_token_mean"),
+    ),
+]
+#: `losses.kl_loss` (group ``"kl"``: not ratio-based).
+KL_CONFIGS = [
+    dict(estimator="k3", importance_weight=True),
+    dict(estimator="k1", score_function=True, reduction="seq_mean_token_mean"),
+    dict(
+        estimator="k2", score_function=True, importance_weight=True, coef=0.3, reduction="token_sum"
+    ),
+    dict(estimator="sq_log_ratio", target="sampling_logprobs", coef=0.5),
+    dict(estimator="rllm_bwd", target="sampling_logprobs", reduction="seq_mean_token_sum"),
+    dict(estimator="rllm_bwd_sf", target="sampling_logprobs", coef=0.2),
+    # An odd clamp (exercised by the data), so that no drawn log-ratio sits on its boundary.
+    dict(
+        estimator="rllm_fwd",
+        target="sampling_logprobs",
+        reduction="token_sum",
+        max_log_ratio=1.3717,
     ),
 ]
 GRPO_CONFIGS = [
@@ -195,6 +320,8 @@ class Case:
         ``"action+obs"`` or ``"weights"`` (non-zero weights); every other position is NaN-safe.
       exact_grad: the reference gradient is compared with ``==`` (else to 1e-10 relative).
       check_metrics: ``(metrics, lp, batch)``, asserts the term's own metrics.
+      skip: ``(property test name, reason)`` pairs: generic properties that cannot hold for the
+        case; `over` marks them skipped with the reason.
     """
 
     id: str
@@ -205,6 +332,7 @@ class Case:
     reads: str = "action"
     exact_grad: bool = False
     check_metrics: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
+    skip: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def config(self) -> dict:
@@ -255,18 +383,19 @@ def spec(ctor: str, **kwargs) -> Case:
     return Case(id=f"{ctor}{kwargs}", group="spec", ctor=ctor, kwargs=freeze(kwargs))
 
 
-def _policy(i, ctor, kwargs):
+def _policy(i, ctor, kwargs, skip=()):
     return Case(
         id=f"p{i:02d}-{ctor}",
         group="policy",
         ctor=ctor,
         kwargs=freeze(kwargs),
         reference=functools.partial(ref_policy.policy_ref, ctor, **kwargs),
+        skip=skip,
     )
 
 
 CASES: list[Case] = (
-    [_policy(i, ctor, kwargs) for i, (ctor, kwargs) in enumerate(POLICY_CONFIGS)]
+    [_policy(i, *entry) for i, entry in enumerate(POLICY_CONFIGS)]
     + [
         Case(
             id=f"grpo{i}",
@@ -318,6 +447,16 @@ CASES: list[Case] = (
             reads="action+obs",
         ),
     ]
+    + [
+        Case(
+            id=f"kl{i}-{cfg['estimator']}",
+            group="kl",
+            ctor="kl_loss",
+            kwargs=freeze(cfg),
+            reference=functools.partial(ref_policy.kl_loss_ref, **cfg),
+        )
+        for i, cfg in enumerate(KL_CONFIGS)
+    ]
 )
 assert len({c.id for c in CASES}) == len(CASES)
 POLICY = [c for c in CASES if c.group == "policy"]
@@ -329,8 +468,21 @@ def ids(cases: list[Case]) -> list[str]:
 
 
 def over(cases: list[Case]):
-    """``@pytest.mark.parametrize("case", cases)`` with the case ids."""
-    return pytest.mark.parametrize("case", cases, ids=ids(cases))
+    """``@pytest.mark.parametrize("case", cases)`` with the case ids; a case whose `Case.skip`
+    names the decorated test is marked skipped with the reason."""
+
+    def decorate(fn):
+        params = [
+            pytest.param(
+                c,
+                id=c.id,
+                marks=[pytest.mark.skip(reason=r) for name, r in c.skip if name == fn.__name__],
+            )
+            for c in cases
+        ]
+        return pytest.mark.parametrize("case", params)(fn)
+
+    return decorate
 
 
 # -- the cached jitted value and gradient -------------------------------------------------------

@@ -59,7 +59,7 @@ def test_matches_numpy_reference(case, data):
     assert all(np.isfinite(v) for v in metrics.values())
     correction = case.config.get("correction")
     if correction is not None:
-        _, ref_metrics = ref.correction_ref(batch, correction)
+        _, ref_metrics = ref.correction_ref(batch, correction, lp)
         for key, expected in ref_metrics.items():
             assert metrics[key] == pytest.approx(expected, rel=1e-10, abs=1e-12), key
     if case.check_metrics is not None:
@@ -156,7 +156,7 @@ def expected_zero(case, lp, batch):
         zero = improving & (div > cfg["threshold"])
     elif kind == "gmpo":
         zero = ((a > 0) & (d > cfg["clip_high"])) | ((a < 0) & (d < -cfg["clip_low"])) | (a == 0)
-    c_BT, _ = ref.correction_ref(batch, cfg.get("correction"))
+    c_BT, _ = ref.correction_ref(batch, cfg.get("correction"), lp)
     return m & (zero | (c_BT == 0))
 
 
