@@ -34,7 +34,11 @@ rollout logprobs, prompt lengths) are built before timing, as a cookbook run bui
 rollout time. The torch closures run single-threaded by default (``--torch-threads``), their
 fastest setting for small per-datum ops.
 
-Run: ``python benchmarks/loss_speed.py [--quick] [--out PATH] [--repeats N]``.
+A second table times each round-2 loss family (preference, distillation, KL variants,
+off-policy filters, newer objectives, the critic) against GRPO on one padded batch of the
+largest configuration (`loss_families`; issue #16's target: each within 2x of GRPO).
+
+Run: ``python benchmarks/loss_speed.py [--quick] [--out PATH] [--repeats N] [--no-families]``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
+import loss_families  # noqa: E402
 import synthetic  # noqa: E402
 
 _common.setup()
@@ -488,6 +493,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 9; quick 3)")
     p.add_argument("--torch-repeats", type=int, default=None, help="(default 3; quick 1)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch closures")
+    p.add_argument("--no-families", action="store_true", help="skip the loss-family table")
     p.add_argument(
         "--torch-threads",
         type=int,
@@ -521,6 +527,12 @@ def main(argv: list[str] | None = None) -> dict:
     for f in torch_fns.values():
         if f is not None:
             f.restore()  # leave torch as we found it (main() may run inside another program)
+    families = []
+    if not args.no_families:
+        fb, ft = configs[-1]
+        print(f"loss families at B={fb} T={ft} ...", flush=True)
+        fseqs, flps = make_batch(fb, ft)
+        families = loss_families.family_rows(*loss_families.padded(fseqs, flps, ft), repeats)
 
     rows = [
         [
@@ -557,6 +569,27 @@ def main(argv: list[str] | None = None) -> dict:
         ],
         rows,
     )
+    if families:
+        fb, ft = configs[-1]
+        md += "\n\n" + _common.table(
+            f"Loss families vs GRPO, jitted value_and_grad on one padded [B={fb}, T={ft}] "
+            f"float32 batch (median ms; ratio = median per-repeat time / GRPO's; target ≤ "
+            f"{loss_families.TARGET_OVER_GRPO:g})",
+            ["family", "term", "input", "ms", "GRPO ms", "compile s", "/ GRPO", "≤ target"],
+            [
+                [
+                    r["family"],
+                    r["term"],
+                    r["input"],
+                    r["ms"],
+                    r["grpo_ms"],
+                    r["compile_s"],
+                    r["over_grpo"],
+                    r["within_target"],
+                ]
+                for r in families
+            ],
+        )
     target = next((r for r in results if (r["B"], r["T"]) == TARGET_CONFIG), None)
     targets = {}
     if target is not None:
@@ -603,6 +636,7 @@ def main(argv: list[str] | None = None) -> dict:
             "seq_mean_token_mean))",
         ),
         results=results,
+        families=families,
         targets=targets,
         implementations_agree=checks_ok,
         markdown=md,

@@ -84,7 +84,8 @@ def check_batch(
     * with ``term``, the term's own rules (``term.validate``, e.g. preference pairs);
     * with ``dtype`` (e.g. float32, the dtype a runner computes in), every checked value must
       also be representable in it: a float64 ``1e39`` would become ``inf``;
-    * ``logprobs`` has the batch's ``[B, T]`` shape.
+    * ``logprobs`` has the batch's ``[B, T]`` shape (or ``[B, T, K]``: the student logprobs of the
+      top-K distillation terms, each K checked).
 
     Args:
       batch: the `Batch` (shapes were checked at construction).
@@ -126,9 +127,16 @@ def check_batch(
         )
     if logprobs is not None:
         lp = np.asarray(logprobs)
-        if lp.shape != bt:
-            raise ValueError(f"logprobs has shape {lp.shape}, expected {bt} like action_mask")
-        _check_logprob_values("logprobs", lp, action | obs, dtype, index_names)
+        if lp.ndim == 3 and lp.shape[:2] == bt and lp.shape[2] >= 1:
+            # [B, T, K] student logprobs of the top-K distillation terms: every K is checked.
+            for k in (lp.max(axis=2), lp.min(axis=2)):
+                _check_logprob_values("logprobs", k, action | obs, dtype, index_names)
+        elif lp.shape != bt:
+            raise ValueError(
+                f"logprobs has shape {lp.shape}, expected {bt} like action_mask (or [B, T, K])"
+            )
+        else:
+            _check_logprob_values("logprobs", lp, action | obs, dtype, index_names)
     for name in LOGPROB_FIELDS:
         value = batch.get(name)
         if value is not None:

@@ -61,31 +61,53 @@ def _covariance(adv_BT, logprobs_BT, valid_BT):
     return jnp.where(valid_BT, (adv_BT - mean_a) * (lp - mean_lp), 0.0), n
 
 
-def _first_k(eligible_BT, key_BT, k):
+def _first_k(eligible_BT, key_BT, k, k_max: int):
     """The ``k`` eligible tokens with the smallest ``key`` (ties: the lower row-major index).
 
-    ``k`` may be a traced 0-d count (at most the number of eligible tokens are chosen).
+    ``k`` may be a traced 0-d count, at most the static ``k_max`` (at most the number of
+    eligible tokens are chosen). One ``lax.top_k`` of ``k_max`` over the flattened tokens, not a
+    full sort: at ``k_max ≪ B·T`` (Clip-Cov / KL-Cov's ratios of 2e-4) that is the difference
+    between ~1x and ~40x a GRPO step. ``top_k`` orders equal values by lower index, the tie
+    rule; ``+ 0.0`` maps ``-0.0`` to ``0.0`` so that signed zeros tie.
     """
     shape = eligible_BT.shape
     flat_ok = eligible_BT.reshape(-1)
-    idx = jnp.arange(flat_ok.size, dtype=jnp.int32)
-    rest = (~flat_ok).astype(jnp.int32)  # eligible tokens first
-    order = jax.lax.sort((rest, key_BT.reshape(-1), idx), num_keys=2, is_stable=True)[2]
-    rank = jnp.zeros_like(idx).at[order].set(idx)
-    return (flat_ok & (rank.astype(jnp.float32) < k)).reshape(shape)
+    score = jnp.where(flat_ok, -key_BT.reshape(-1) + 0.0, -jnp.inf)
+    vals, idx = jax.lax.top_k(score, k_max)
+    take = (jnp.arange(k_max) < k) & (vals > -jnp.inf)
+    return jnp.zeros(flat_ok.shape, bool).at[idx].set(take).reshape(shape)
+
+
+def _k_max(ratio: float, shape) -> int:
+    """A static bound on `_count_k` over a ``shape`` batch (``+1``: float rounding of ``k``)."""
+    size = int(np.prod(shape))
+    return max(1, min(size, int(ratio * size) + 1))
+
+
+def _uniform_keys(bits, dtype):
+    """Random bits as floats in [0, 1) (24 bits: exact in float32), for `_first_k`."""
+    return (bits >> 8).astype(dtype) * (2.0**-24)
+
+
+def _mix32(h):
+    """The murmur3 32-bit finalizer: a bijective avalanche mix of uint32 values."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
 
 
 def _position_bits(key, shape):
-    """uint32 random bits per position, from ``fold_in(fold_in(key, row), column)``: the same
-    token gets the same bits whatever the padding (padding rows/columns only add positions)."""
-    rows = jnp.arange(shape[0], dtype=jnp.uint32)
-    cols = jnp.arange(shape[1], dtype=jnp.uint32)
-
-    def bits(i, j):
-        k = jax.random.fold_in(jax.random.fold_in(key, i), j)
-        return jax.random.bits(k, dtype=jnp.uint32)
-
-    return jax.vmap(lambda i: jax.vmap(lambda j: bits(i, j))(cols))(rows)
+    """uint32 random bits per position, a hash of ``(key, row, column)``: the same token gets
+    the same bits whatever the padding (padding rows/columns only add positions). A counter-based
+    hash (two murmur3 finalizer rounds keyed by the JAX key's data), elementwise and cheap: a
+    per-position ``fold_in`` costs ~7x a GRPO step at B=256, T=4096."""
+    words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+    rows = jnp.arange(shape[0], dtype=jnp.uint32)[:, None]
+    cols = jnp.arange(shape[1], dtype=jnp.uint32)[None, :]
+    h = _mix32(rows * jnp.uint32(0x9E3779B1) ^ words[0])
+    return _mix32(h ^ (cols * jnp.uint32(0x7FEB352D) + words[-1]))
 
 
 def _count_k(ratio: float, n):
@@ -214,8 +236,8 @@ def clip_cov(
                     f"{jnp.shape(rng)}"
                 )
             key = jax.random.fold_in(key, jnp.asarray(rng).astype(jnp.uint32))
-        prio = _position_bits(key, valid.shape)
-        zeroed = _first_k(cand, prio, _count_k(ratio, n))
+        prio = _uniform_keys(_position_bits(key, valid.shape), dtype)
+        zeroed = _first_k(cand, prio, _count_k(ratio, n), _k_max(ratio, valid.shape))
         terms = jnp.where(zeroed, jnp.zeros((), dtype), terms)
         extra = {
             "cov_zeroed_frac": _frac(zeroed, dtype),
@@ -297,7 +319,7 @@ def kl_cov(
     def per_token(*, logprobs, log_ratio, adv, valid, **_):
         dtype = log_ratio.dtype
         cov, n = _covariance(adv, logprobs, valid)
-        chosen = _first_k(valid, -cov + 0.0, _count_k(ratio, n))  # (+0.0: -0.0 == 0.0)
+        chosen = _first_k(valid, -cov, _count_k(ratio, n), _k_max(ratio, valid.shape))
         # κ·|p - q| with the subgradient sign(0) = 0, as torch (jnp.abs has 1 at 0).
         abs_lr = log_ratio * jax.lax.stop_gradient(jnp.sign(log_ratio))
         penalty = jnp.where(chosen, kappa * abs_lr, jnp.zeros((), dtype))

@@ -97,6 +97,12 @@ def test_loss_speed_quick(quick):
             else:
                 assert r[f"torch_{name}_check"]["agrees"], name
                 assert r[f"torch_{name}_over_foldloss"] > 0, name
+    # One row per round-2 loss family, each finite, every family represented.
+    families = {r["family"] for r in data["families"]}
+    assert families >= {"baseline", "preference", "distillation", "critic", "filters"}
+    for r in data["families"]:
+        assert r["finite"] and r["ms"] > 0 and r["over_grpo"] > 0, r["term"]
+    assert "Loss families vs GRPO" in data["markdown"]
 
 
 def test_compile_count_quick(quick):

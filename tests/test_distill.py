@@ -853,6 +853,11 @@ def test_topk_host_validation_names_row_and_column():
     batch = batch.replace(action_mask=mask, obs_mask=np.zeros((B, T)))
     term = losses.topk_reverse_kl()
     losses.check_batch(batch, term=term)
+    losses.check_batch(batch, lp, term=term)  # [B, T, K] student logprobs: each K checked
+    bad = np.asarray(lp).copy()
+    bad[1, 2, 1] = 0.5
+    with pytest.raises(ValueError, match=r"logprobs\[row 1, column 2\] = 0\.5 > 0"):
+        losses.check_batch(batch, bad, term=term)
     term.validate(batch, lp)
     t = np.asarray(batch.teacher_topk_logprobs).copy()
     t[1, 2] = np.log([0.7, 0.5, 0.1])
