@@ -21,7 +21,8 @@ It also compares the ECHO observation conventions (reference/echo.md §5-6) on t
 observation-body mask (the paper's O′, wrappers excluded): the env loss value, the number of
 target tokens and the parameter-gradient difference.
 
-Run: ``python benchmarks/grad_equivalence.py [--quick] [--out PATH]``.
+Run: ``python benchmarks/grad_equivalence.py [--quick] [--arch gpt2|llama] [--out PATH]``
+(``--arch llama``: the same on a small Llama-architecture decoder, `runner.local.models`).
 """
 
 from __future__ import annotations
@@ -73,7 +74,29 @@ def model_size(quick: bool) -> dict[str, int]:
     return dict(d_model=64, n_layers=2, n_heads=4, d_ff=256)
 
 
+#: ``--arch``: the GPT-2-style default, or a small Llama-architecture decoder (GQA, RMSNorm,
+#: RoPE, SwiGLU; `runner.local.models`) with the same widths and chunked logprobs.
+ARCH = {"name": "gpt2"}
+
+
 def model_config(quick: bool, dtype: str, max_len: int) -> LocalTrainerConfig:
+    if ARCH["name"] == "llama":
+        from runner.local.models import DecoderConfig
+
+        size = model_size(quick)
+        decoder = DecoderConfig(
+            family="llama",
+            vocab_size=tokenizer.VOCAB_SIZE,
+            hidden_size=size["d_model"],
+            intermediate_size=size["d_ff"],
+            num_layers=size["n_layers"],
+            num_heads=size["n_heads"],
+            num_kv_heads=max(size["n_heads"] // 2, 1),
+            max_position_embeddings=max_len,
+        )
+        return LocalTrainerConfig(
+            decoder=decoder, max_seq_len=max_len, seed=0, dtype=dtype, logprob_chunk=16
+        )
     return LocalTrainerConfig(
         vocab_size=tokenizer.VOCAB_SIZE,
         max_seq_len=max_len,
@@ -315,7 +338,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = _common.parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--seqs", type=int, default=None, help="trajectories (default 24; quick 6)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--arch",
+        choices=("gpt2", "llama"),
+        default="gpt2",
+        help="the local trainer's model: the GPT-2-style default or a small Llama decoder",
+    )
     args = p.parse_args(argv)
+    ARCH["name"] = args.arch
     num = args.seqs or (6 if args.quick else 24)
     eq = equivalence(args.quick, num, args.seed)
     conv = conventions(args.quick, num, args.seed)
@@ -393,7 +423,9 @@ def main(argv: list[str] | None = None) -> dict:
             quick=args.quick,
             sequences=num,
             seed=args.seed,
-            model=dict(model_size(args.quick), vocab_size=tokenizer.VOCAB_SIZE, seed=0),
+            model=dict(
+                model_size(args.quick), arch=args.arch, vocab_size=tokenizer.VOCAB_SIZE, seed=0
+            ),
             data="calculator-env expert trajectories (CalcEnv(seed, max_operand=99, "
             "num_ops=(1, 3))); sampling = current logprobs + N(0, 0.3); advantages ~ N(0, 1)",
             terms=list(TERMS),

@@ -1,4 +1,4 @@
-"""``python -m runner train|sft`` — the main job's command line."""
+"""``python -m runner train|sft|serve`` — the main job's command line and the local server."""
 
 from __future__ import annotations
 
@@ -16,20 +16,27 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runner", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_text in (
-        ("train", "SFT warm-up then GRPO + ECHO RL (the main job)"),
-        ("sft", "SFT warm-up only"),
+        ("train", "SFT warm-up then RL on the task (the main job)"),
+        ("sft", "SFT only: on --data, else on the task's demonstrations"),
     ):
         s = sub.add_parser(name, help=help_text)
         s.add_argument(
             "--config", default=None, help="TOML config (default: examples/default.toml)"
         )
         s.add_argument(
-            "--backend", choices=("local", "fireworks"), help="trainer backend (default: local)"
+            "--backend",
+            choices=("local", "fireworks", "tinker"),
+            help="trainer backend (default: local)",
         )
         s.add_argument("--name", help="run name: outputs go to <output_dir>/<name>")
         s.add_argument("--output-dir", help="where runs are written (default: runs)")
         s.add_argument("--seed", type=int)
         s.add_argument("--sft-steps", type=int)
+        s.add_argument("--data", help="SFT records (JSONL: chat messages or prompt/completion)")
+        s.add_argument("--eval-data", help="held-out SFT records for the eval NLL (JSONL)")
+        s.add_argument(
+            "--epochs", type=int, help="SFT epochs over --data (sets the SFT step count)"
+        )
         s.add_argument("--rl-steps", type=int)
         s.add_argument("--checkpoint-interval", type=int)
         s.add_argument("--env-coef", type=float, help="ECHO env-loss coefficient (0 = plain GRPO)")
@@ -47,11 +54,66 @@ def _parser() -> argparse.ArgumentParser:
             metavar="SECTION.KEY=VALUE",
             help="override any config value, e.g. --set rl.group_size=4",
         )
+    s = sub.add_parser(
+        "serve", help="the local training server (tinker SDK wire protocol; docs/serve.md)"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (0 = ephemeral; default 8000)")
+    s.add_argument(
+        "--api-key-env",
+        default="TINKER_API_KEY",
+        help="environment variable holding the API key clients must send (default: TINKER_API_KEY)",
+    )
+    s.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=CONFIG.toml",
+        help="serve the [model] of CONFIG.toml as base model NAME (repeatable; default: "
+        "examples/default.toml as foldloss/default)",
+    )
+    s.add_argument(
+        "--state-dir",
+        default="runs/serve",
+        help="where trained models' checkpoints are kept across restarts (default: runs/serve)",
+    )
+    s.add_argument(
+        "--long-poll-s",
+        type=float,
+        default=20.0,
+        help="retrieve_future waits this long before answering try_again (default 20)",
+    )
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="server log level on stderr (requests are logged at info; never their keys or bodies)",
+    )
     return p
+
+
+def _serve(args) -> int:
+    from runner.serve import serve_forever
+
+    try:
+        return serve_forever(
+            host=args.host,
+            port=args.port,
+            api_key_env=args.api_key_env,
+            models=args.model,
+            state_dir=args.state_dir,
+            long_poll_s=args.long_poll_s,
+            log_level=args.log_level,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     overrides = list(args.set)
     for flag, key in (
         ("backend", "run.backend"),
@@ -59,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         ("output_dir", "run.output_dir"),
         ("seed", "run.seed"),
         ("sft_steps", "sft.steps"),
+        ("data", "sft.data"),
+        ("eval_data", "sft.eval_data"),
+        ("epochs", "sft.epochs"),
         ("rl_steps", "rl.steps"),
         ("checkpoint_interval", "checkpoint.interval"),
         ("env_coef", "rl.env_coef"),
@@ -66,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+    if args.epochs is not None and args.sft_steps is None:
+        overrides.append("sft.steps=0")  # the epochs set the step count
     if args.command == "sft":
         overrides.append("rl.steps=0")
     try:
@@ -111,13 +178,16 @@ def _resume_hint(cfg) -> str:
 def _summary(result) -> None:
     recs = result.metrics
     evals = [(r["step"], r["eval_reward"]) for r in recs if "eval_reward" in r]
+    nlls = [(r["step"], r["sft/eval_nll"]) for r in recs if "sft/eval_nll" in r]
     rl = [r for r in recs if r.get("phase") == "rl"]
     print(f"run directory: {result.run_dir}")
     if evals:
         print(
-            "eval reward (64 held-out problems, sampled): "
+            "eval reward (held-out problems, sampled): "
             + ", ".join(f"step {s}: {v:.3f}" for s, v in evals)
         )
+    if nlls:
+        print("eval NLL ([sft].eval_data): " + ", ".join(f"step {s}: {v:.4f}" for s, v in nlls))
     if rl:
         k = max(1, len(rl) // 5)
         first = sum(r["reward"] for r in rl[:k]) / k

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import re
 import tomllib
@@ -27,19 +28,57 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """The local backend's model (`runner.local._from_config`): ``arch = "gpt2"`` (the default
+    toy) or a random ``llama`` / ``qwen2`` / ``qwen3`` decoder of these sizes, or ``path`` = a
+    Hugging Face checkpoint directory (its ``config.json`` gives the architecture; the sizes are
+    then unused). ``lora_rank > 0`` trains LoRA adapters (``lora_alpha`` 0 = the rank;
+    ``lora_targets``: ``all-linear`` or ``q_proj,v_proj,...``) on a decoder, whose weights stay
+    frozen; ``dtype`` (float32 | bfloat16) and ``logprob_chunk`` (tokens per chunk of the
+    memory-bounded logprobs, 0 = materialized) apply to decoders."""
+
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
     d_ff: int = 256
     max_seq_len: int = 128
+    arch: str = "gpt2"
+    path: str = ""
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: str = "all-linear"
+    logprob_chunk: int = 256
+
+
+#: The default task and its knobs (``[task.kwargs]`` of the calculator, `runner.tasks.calc`).
+DEFAULT_TASK = "runner.tasks.calc:make_task"
+DEFAULT_TASK_KWARGS = {"max_operand": 9, "num_ops": 1, "max_turns": 4, "max_tokens_per_turn": 12}
 
 
 @dataclasses.dataclass(frozen=True)
-class EnvConfig:
-    max_operand: int = 9
-    num_ops: int = 1
-    max_turns: int = 4
-    max_tokens_per_turn: int = 12
+class TaskConfig:
+    """What RL trains on (`runner.tasks`): ``factory`` is ``"package.module:function"``, called as
+    ``function(tokenizer=<the configured tokenizer>, **kwargs)``; ``""`` = no task (SFT on
+    ``[sft].data`` only, no reward evaluations). ``kwargs`` default to the calculator's knobs with
+    the default factory, and to ``{}`` with any other."""
+
+    factory: str = DEFAULT_TASK
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(DEFAULT_TASK_KWARGS))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """``path = ""``: the built-in character tokenizer; else a Hugging Face ``tokenizer.json``
+    file or model directory, read offline (`runner.tokenizers`). ``chat_template``: a ``.jinja``
+    file overriding the directory's template, ``"none"`` for no template, ``""`` = the
+    directory's."""
+
+    path: str = ""
+    chat_template: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +92,24 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
+    """The SFT phase (`runner.data`): on ``data`` (JSONL) when set, else on the task's
+    demonstrations. ``epochs > 0`` (with ``data``, and ``steps = 0``) sets the step count from the
+    data; ``batch_tokens > 0`` batches by a token budget instead of ``batch_size`` records;
+    ``train_on``: ``all_assistant`` | ``last_assistant``; ``overflow`` (records over
+    ``[model].max_seq_len``): ``error`` | ``truncate`` | ``drop``; ``eval_every``: SFT steps
+    between evaluations of the NLL on ``eval_data`` (0: at step 0 and the end of SFT only)."""
+
     steps: int = 70
     batch_size: int = 32
     learning_rate: float = 3e-3
+    data: str = ""
+    eval_data: str = ""
+    epochs: int = 0
+    batch_tokens: int = 0
+    shuffle: bool = True
+    train_on: str = "all_assistant"
+    overflow: str = "error"
+    eval_every: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +128,8 @@ class RLConfig:
     env_normalization: str = "seq_mean_token_mean"
     mode: str = "auto"
     num_microbatches: int = 1
+    loss: str = ""
+    loss_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,15 +164,34 @@ class FireworksConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TinkerConfig:
+    """Tinker API settings (``--backend tinker``; docs/tinker.md): hosted Tinker, a self-hosted
+    Tinker-API engine, or the local server (``python -m runner serve``). The API key is read from
+    the environment variable named by ``api_key_env`` and never stored in the config.
+    ``lora_rank``: the LoRA rank asked for (the local server trains full weights and says so).
+    ``request_timeout_s``: how long to wait for any one result. ``connect_timeout_s``: the bound
+    on reaching ``base_url`` before any SDK call (offline or unreachable: one error line)."""
+
+    base_url: str = "https://tinker.thinkingmachines.dev/services/tinker-prod"
+    base_model: str = ""
+    lora_rank: int = 32
+    api_key_env: str = "TINKER_API_KEY"
+    request_timeout_s: float = 3600.0
+    connect_timeout_s: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
-    env: EnvConfig = EnvConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    task: TaskConfig = TaskConfig()
     optim: OptimConfig = OptimConfig()
     sft: SFTConfig = SFTConfig()
     rl: RLConfig = RLConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     fireworks: FireworksConfig = FireworksConfig()
+    tinker: TinkerConfig = TinkerConfig()
 
     @property
     def total_steps(self) -> int:
@@ -137,11 +212,21 @@ class Config:
         d["rl"] = {k: v for k, v in d["rl"].items() if k != "steps"}
         d.pop("checkpoint")
         d["fireworks"] = {}
+        d[
+            "tinker"
+        ] = {}  # where the service is (a resume may use another URL), not what it computes
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+#: The trainer backends (``[run].backend``).
+BACKENDS = ("local", "fireworks", "tinker")
+#: A backend's static config rules, ``module:function`` (`validate` calls it).
+_BACKEND_RULES = {
+    "fireworks": "runner.fireworks._validate:validate_static",
+    "tinker": "runner.tinker._validate:validate_static",
+}
 #: A run name is one path component: letters, digits, '.', '_', '-', not '.' or '..'.
 #: Sampling temperatures the runner accepts: logits / T stays finite in float32 for |logits| < 1e35.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
@@ -152,17 +237,23 @@ def _section_class(name: str):
     return {
         "run": RunConfig,
         "model": ModelConfig,
-        "env": EnvConfig,
+        "tokenizer": TokenizerConfig,
+        "task": TaskConfig,
         "optim": OptimConfig,
         "sft": SFTConfig,
         "rl": RLConfig,
         "checkpoint": CheckpointConfig,
         "fireworks": FireworksConfig,
+        "tinker": TinkerConfig,
     }[name]
 
 
 def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     where = f"config [{section}].{key}"
+    if isinstance(default, dict):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a table, got {value!r}")
+        return dict(value)
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false, got {value!r}")
@@ -184,6 +275,11 @@ def from_dict(data: dict[str, Any]) -> Config:
     """Builds and validates a `Config` from nested dicts (unknown sections/keys are errors)."""
     sections = {}
     for section, values in data.items():
+        if section == "env" and section not in _SECTIONS:
+            raise ValueError(
+                "config: [env] is now [task.kwargs] (the calculator task's knobs: "
+                f"{', '.join(DEFAULT_TASK_KWARGS)}); rename the section"
+            )
         if section not in _SECTIONS:
             raise ValueError(
                 f"config: unknown section [{section}]; expected one of {sorted(_SECTIONS)}"
@@ -200,6 +296,11 @@ def from_dict(data: dict[str, Any]) -> Config:
                     f"config: unknown key [{section}].{key}; expected one of {sorted(known)}"
                 )
             kwargs[key] = _coerce(section, key, value, getattr(defaults, key))
+        if cls is TaskConfig:  # the calculator's knobs belong to its factory only
+            if kwargs.get("factory", DEFAULT_TASK) == DEFAULT_TASK:
+                kwargs["kwargs"] = {**DEFAULT_TASK_KWARGS, **kwargs.get("kwargs", {})}
+            else:
+                kwargs.setdefault("kwargs", {})
         sections[section] = cls(**kwargs)
     cfg = Config(**sections)
     validate(cfg)
@@ -210,12 +311,17 @@ def _set(data: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment or "." not in assignment.split("=", 1)[0]:
         raise ValueError(f"--set expects section.key=value, got {assignment!r}")
     path, raw = assignment.split("=", 1)
-    section, key = path.strip().split(".", 1)
+    section, *keys = path.strip().split(".")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare string
-    data.setdefault(section, {})[key] = value
+    table = data.setdefault(section, {})
+    for key in keys[:-1]:  # a table key: --set task.kwargs.max_turns=3
+        if not isinstance(table.get(key, {}), dict):
+            raise ValueError(f"--set {path.strip()}: [{section}].{key} is not a table")
+        table = table.setdefault(key, {})
+    table[keys[-1]] = value
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -249,16 +355,18 @@ def validate(cfg: Config) -> None:
             f"config [run].name must be one path component of 1-64 letters, digits, '.', '_' or "
             f"'-' (not '.' or '..'), got {cfg.run.name!r}"
         )
-    if cfg.run.backend not in ("local", "fireworks"):
-        raise ValueError(
-            f"config [run].backend must be 'local' or 'fireworks', got {cfg.run.backend!r}"
-        )
+    if cfg.run.backend not in BACKENDS:
+        raise ValueError(f"config [run].backend must be one of {BACKENDS}, got {cfg.run.backend!r}")
     for key in ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
         positive("model", key, getattr(cfg.model, key))
-    if cfg.model.d_model % cfg.model.n_heads:
+    for key in ("n_kv_heads", "head_dim", "lora_rank", "logprob_chunk"):
+        positive("model", key, getattr(cfg.model, key), allow_zero=True)
+    if cfg.model.d_model % cfg.model.n_heads and not cfg.model.head_dim:
         raise ValueError("config [model].d_model must be divisible by [model].n_heads")
-    for key in ("max_operand", "num_ops", "max_turns", "max_tokens_per_turn"):
-        positive("env", key, getattr(cfg.env, key))
+    if cfg.run.backend == "local":
+        from runner.local import local_trainer_config
+
+        local_trainer_config(cfg.model, vocab_size=2, seed=0, checkpoint_dir=None)
     positive("sft", "steps", cfg.sft.steps, allow_zero=True)
     positive("sft", "batch_size", cfg.sft.batch_size)
     positive("sft", "learning_rate", cfg.sft.learning_rate)
@@ -281,7 +389,8 @@ def validate(cfg: Config) -> None:
             f"(logits / temperature must stay finite in float32), got {cfg.rl.temperature!r}"
         )
     positive("checkpoint", "interval", cfg.checkpoint.interval, allow_zero=True)
-    if cfg.total_steps <= 0:
+    _validate_data(cfg)
+    if cfg.total_steps <= 0 and not cfg.sft.epochs:
         raise ValueError("config: [sft].steps + [rl].steps must be > 0")
     if cfg.rl.advantage_estimator not in losses.ESTIMATORS:
         raise ValueError(
@@ -296,7 +405,8 @@ def validate(cfg: Config) -> None:
     try:
         rl_loss(cfg)
     except ValueError as exc:
-        raise ValueError(f"config [rl]: {exc}") from exc
+        raise ValueError(exc.args[0] if cfg.rl.loss else f"config [rl]: {exc}") from exc
+    _validate_task(cfg)
     from runner._types import AdamParams
 
     AdamParams(
@@ -307,15 +417,76 @@ def validate(cfg: Config) -> None:
         weight_decay=cfg.optim.weight_decay,
         grad_clip_norm=cfg.optim.grad_clip_norm,
     )
-    if cfg.run.backend == "fireworks":
-        from runner.fireworks._validate import validate_static
+    rules = _BACKEND_RULES.get(cfg.run.backend)
+    if rules is not None:  # a hosted backend's own rules (no SDK import)
+        module, name = rules.split(":")
+        getattr(importlib.import_module(module), name)(cfg)
 
-        validate_static(cfg)
+
+def _validate_data(cfg: Config) -> None:
+    """``[sft]`` data knobs and ``[tokenizer]`` paths (the files are read by `runner.job`)."""
+    from runner.chat import TRAIN_ON
+    from runner.data import OVERFLOW
+
+    sft = cfg.sft
+    for key in ("epochs", "batch_tokens", "eval_every"):
+        if getattr(sft, key) < 0:
+            raise ValueError(f"config [sft].{key} must be >= 0, got {getattr(sft, key)!r}")
+    if sft.train_on not in TRAIN_ON:
+        raise ValueError(f"config [sft].train_on must be one of {TRAIN_ON}, got {sft.train_on!r}")
+    if sft.overflow not in OVERFLOW:
+        raise ValueError(f"config [sft].overflow must be one of {OVERFLOW}, got {sft.overflow!r}")
+    for key in ("data", "eval_data"):
+        path = getattr(sft, key)
+        if path and not Path(path).is_file():
+            raise ValueError(f"config [sft].{key}: file not found: {path}")
+    if sft.epochs:
+        if not sft.data:
+            raise ValueError("config [sft].epochs needs [sft].data (the epochs of which file?)")
+        if sft.steps:
+            raise ValueError(
+                f"config [sft].epochs = {sft.epochs} sets the SFT step count from the data: set "
+                f"[sft].steps = 0 (got {sft.steps}), or use [sft].steps without epochs"
+            )
+    if sft.eval_every and not sft.eval_data:
+        raise ValueError("config [sft].eval_every needs [sft].eval_data")
+    if cfg.tokenizer.path and not Path(cfg.tokenizer.path).exists():
+        raise ValueError(f"config [tokenizer].path: not found: {cfg.tokenizer.path}")
+
+
+def _validate_task(cfg: Config) -> None:
+    """Builds the tokenizer and the task once (their own errors, eagerly) and checks that the
+    phases have what they train on."""
+    from runner.job import build_task, build_tokenizer
+
+    task = build_task(cfg, build_tokenizer(cfg))
+    if task is None and cfg.rl.steps:
+        raise ValueError(
+            f"config [rl].steps = {cfg.rl.steps} needs a task: [task].factory is empty"
+        )
+    if cfg.sft.steps and not cfg.sft.data and not (task and task.has_demonstrations):
+        what = "is empty" if task is None else f"{task.name} has no demonstrations(rng, n)"
+        raise ValueError(
+            f"config [sft].steps = {cfg.sft.steps} needs SFT data: [sft].data is empty and the "
+            f"task {what}"
+        )
 
 
 def rl_loss(cfg: Config):
-    """``fold(grpo, echo_env)`` from the ``[rl]`` section."""
+    """The RL loss term: ``[rl].loss`` (``"package.module:function"``, called with
+    ``[rl].loss_kwargs``) when set, else ``fold(grpo, echo_env)`` from the ``[rl]`` knobs."""
     rl = cfg.rl
+    if rl.loss:
+        from runner._plugins import call_factory, resolve_callable
+
+        fn = resolve_callable(rl.loss, "[rl].loss")
+        term = call_factory(fn, rl.loss, "[rl].loss", **rl.loss_kwargs)
+        if not callable(term):
+            raise ValueError(
+                f"config [rl].loss = {rl.loss!r} returned {type(term).__name__}, not a loss term "
+                "(a callable (logprobs, batch) -> (loss, metrics), e.g. a losses.fold)"
+            )
+        return term
     return losses.fold(
         losses.grpo(
             clip_low=rl.clip_low,

@@ -36,9 +36,14 @@ def plot_metrics(records: list[dict[str, Any]], path: Path) -> Path:
             ax_r.plot(xs, ys, style, label=label)
     ax_r.set_ylabel("reward")
     ax_r.set_ylim(-0.05, 1.05)
-    ax_r.legend(loc="lower right")
+    if ax_r.lines:  # (an SFT-only run without a task has no reward)
+        ax_r.legend(loc="lower right")
     ax_r.grid(alpha=0.3)
-    for key, label in (("env_nll", "env-token NLL (ECHO)"), ("sft/nll", "SFT NLL")):
+    for key, label in (
+        ("env_nll", "env-token NLL (ECHO)"),
+        ("sft/nll", "SFT NLL"),
+        ("sft/eval_nll", "SFT eval NLL (held-out)"),
+    ):
         xs, ys = _series(records, key)
         if xs:
             ax_n.plot(xs, ys, label=label)

@@ -1,14 +1,19 @@
-"""The main job: SFT warm-up on expert demonstrations, then GRPO + ECHO on the calculator task.
+"""The main job: SFT (the user's JSONL data or the task's demonstrations), then RL on the
+configured task (`runner.tasks`; the calculator by default) with GRPO + ECHO or ``[rl].loss``.
 
 One global step counter spans both phases (steps ``1..sft.steps`` are SFT, the rest RL). Every
-random choice of step ``k`` (its problems, its sampling seed) is derived from ``(seed, k)``, so a
+random choice of step ``k`` (its problems, its sampling seed) is derived from ``(seed, k)``, and
+the SFT data position after each step is part of the checkpoint's run state (`runner.job`), so a
 run resumed from the checkpoint of step ``N`` continues at ``N + 1`` exactly as the uninterrupted
-run would have: the only state is the trainer's (weights + optimizer, restored exactly) and ``N``.
+run would have: the state is the trainer's (weights + optimizer, restored exactly), ``N`` and the
+data position. What the run trains on is built and checked by `runner.job.build_job`, one step of
+each phase is `runner.steps`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import shutil
 import time
@@ -17,21 +22,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-import losses
 from runner import checkpoints as ckpt
 from runner._atomic import atomic_write_text
 from runner._digests import tree_digests
 from runner._lock import check_unlocked, run_lock
 from runner._protocols import Capabilities, Trainer, capabilities, require
 from runner._step import StepRunner
-from runner._types import AdamParams, Seq
 from runner.config import Config, rl_loss
-from runner.env import CalcEnv, expert_sft_example, rollout, tokenizer, trajectory_to_seq
-from runner.sft import collate_sft, translate_sft_batch
-
-EVAL_PROBLEMS = 64
+from runner.job import build_job, build_tokenizer, check_job
+from runner.steps import eval_nll, eval_problems, evaluate, rl_step, sft_step
 
 
 @dataclasses.dataclass
@@ -41,191 +40,28 @@ class RunResult:
     metrics: list[dict[str, Any]]
 
 
-def make_env(cfg: Config) -> CalcEnv:
-    e = cfg.env
-    return CalcEnv(
-        seed=cfg.run.seed, max_operand=e.max_operand, num_ops=e.num_ops, max_turns=e.max_turns
-    )
-
-
 def make_trainer(cfg: Config, run_dir: Path) -> Trainer:
     """The configured backend's trainer (``local`` by default).
 
     `run` probes its capabilities once, right after building it (`check_capabilities`).
     """
     if cfg.run.backend == "local":
-        from runner.local import LocalTrainer, LocalTrainerConfig
+        from runner.local import LocalTrainer, local_trainer_config
 
-        m = cfg.model
         return LocalTrainer(
-            LocalTrainerConfig(
-                vocab_size=tokenizer.VOCAB_SIZE,
-                d_model=m.d_model,
-                n_layers=m.n_layers,
-                n_heads=m.n_heads,
-                d_ff=m.d_ff,
-                max_seq_len=m.max_seq_len,
+            local_trainer_config(
+                cfg.model,
+                vocab_size=build_tokenizer(cfg).vocab_size,
                 seed=cfg.run.seed,
                 checkpoint_dir=str(run_dir / "trainer"),
             )
         )
-    from runner.fireworks import make_trainer as make_fireworks_trainer
-
-    return make_fireworks_trainer(cfg, run_dir)
-
-
-def _rng(cfg: Config, *key: int) -> np.random.Generator:
-    return np.random.default_rng([cfg.run.seed, *key])
+    module = importlib.import_module(_HOSTED_BACKENDS[cfg.run.backend])
+    return module.make_trainer(cfg, run_dir)
 
 
-def _adam(cfg: Config, lr: float) -> AdamParams:
-    o = cfg.optim
-    return AdamParams(
-        learning_rate=lr,
-        beta1=o.beta1,
-        beta2=o.beta2,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        grad_clip_norm=o.grad_clip_norm,
-    )
-
-
-def sft_examples(cfg: Config, env: CalcEnv, step: int) -> list[tuple[np.ndarray, ...]]:
-    """SFT step ``step``'s demonstrations (a pure function of ``(seed, step)``)."""
-    rng = _rng(cfg, 1, step)
-    return [expert_sft_example(env, env.sample_problem(rng)) for _ in range(cfg.sft.batch_size)]
-
-
-def check_task_fits(cfg: Config, env: CalcEnv, *, start: int = 1) -> None:
-    """``[model].max_seq_len`` against the task, before any work: the longest prompt must leave
-    room for an action token, and every SFT demonstration still to train (steps ``start`` to
-    ``[sft].steps``) must fit the model's input.
-
-    Raises:
-      ValueError: naming the key, the step and what length it needs.
-    """
-    limit = cfg.model.max_seq_len
-    prompt = env.max_prompt_tokens()
-    if prompt >= limit + 1:
-        raise ValueError(
-            f"config [model].max_seq_len = {limit} leaves no room for an action after the task's "
-            f"longest prompt ({prompt} tokens); raise it above {prompt - 1}"
-        )
-    worst = None
-    for step in range(start, cfg.sft.steps + 1):
-        for i, (p, c, _) in enumerate(sft_examples(cfg, env, step)):
-            need = len(p) + len(c) - 1  # the model input: the sequence minus its last token
-            if need > limit and (worst is None or need > worst[0]):
-                worst = (need, step, i)
-    if worst is not None:
-        need, step, i = worst
-        raise ValueError(
-            f"config [model].max_seq_len = {limit} is shorter than SFT demonstrations: step "
-            f"{step}, example {i} needs {need} model-input tokens; raise it to at least {need}"
-        )
-
-
-def sft_step(cfg: Config, trainer: Trainer, env: CalcEnv, step: int) -> dict[str, float]:
-    """One SFT step through the SFT translation path (collate → translate → cross_entropy)."""
-    examples = sft_examples(cfg, env, step)
-    sequences, attention, loss_mask = collate_sft(examples, pad_id=tokenizer.PAD_ID)
-    seqs = translate_sft_batch(sequences, attention, loss_mask, max_seq_len=cfg.model.max_seq_len)
-    result = trainer.forward_backward(seqs, "cross_entropy")
-    opt = trainer.optim_step(_adam(cfg, cfg.sft.learning_rate), "none")
-    tokens = sum(s.num_targets for s in seqs)
-    return {
-        "sft/nll": float(result.metrics["loss:sum"]),  # weights sum to 1: per-token mean NLL
-        "tokens": float(tokens),
-        "passes/forwards": 1.0,
-        "passes/backwards": 1.0,
-        **{f"optim/{k}": float(v) for k, v in opt.items()},
-    }
-
-
-def rl_seqs(cfg: Config, groups) -> tuple[list[Seq], np.ndarray]:
-    """Trajectories → `Seq`s with per-token advantages on action tokens; and the rewards."""
-    rewards = np.array([t.reward for g in groups for t in g], dtype=np.float64)
-    adv = np.asarray(
-        losses.group_advantages(
-            rewards, group_size=cfg.rl.group_size, estimator=cfg.rl.advantage_estimator
-        )
-    )
-    seqs = []
-    for a, traj in zip(adv, (t for g in groups for t in g), strict=True):
-        s = trajectory_to_seq(traj)
-        inputs = dict(s.inputs)
-        inputs["advantages"] = float(a) * inputs["action_mask"]
-        seqs.append(Seq(s.tokens, inputs))
-    return seqs, rewards
-
-
-def rl_step(
-    cfg: Config,
-    trainer: Trainer,
-    env: CalcEnv,
-    step: int,
-    runner: StepRunner,
-    reference: Trainer | None = None,
-) -> dict[str, float]:
-    """Sample groups → rewards → group advantages → one planned step of fold(grpo, echo_env)."""
-    rng = _rng(cfg, 2, step)
-    problems = [env.sample_problem(rng) for _ in range(cfg.rl.problems_per_step)]
-    groups = rollout(
-        trainer,
-        env,
-        problems,
-        group_size=cfg.rl.group_size,
-        max_tokens_per_turn=cfg.env.max_tokens_per_turn,
-        temperature=cfg.rl.temperature,
-        seed=int(rng.integers(2**31)),
-        max_seq_len=cfg.model.max_seq_len,
-    )
-    seqs, rewards = rl_seqs(cfg, groups)
-    extra_forwards = 0
-    if reference is not None:
-        ref = reference.forward([s.with_inputs() for s in seqs])
-        extra_forwards = 1
-        seqs = [
-            Seq(
-                s.tokens,
-                dict(s.inputs, ref_logprobs=np.asarray(r, np.float64) * s.inputs["action_mask"]),
-            )
-            for s, r in zip(seqs, ref, strict=True)
-        ]
-    metrics = runner.step(
-        trainer, seqs, _adam(cfg, cfg.rl.learning_rate), num_microbatches=cfg.rl.num_microbatches
-    )
-    metrics["passes/forwards"] += extra_forwards
-    trajs = [t for g in groups for t in g]
-    metrics.update(
-        {
-            "reward": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "turns": float(np.mean([t.num_turns for t in trajs])),
-            "tokens": float(sum(s.num_targets for s in seqs)),
-        }
-    )
-    if metrics.get("echo_env/num_obs_tokens", 0.0) > 0:  # NLL per observation token, if any
-        metrics["env_nll"] = float(metrics["echo_env/nll"])
-    return metrics
-
-
-def evaluate(cfg: Config, trainer: Trainer, env: CalcEnv) -> float:
-    """Mean reward on a fixed set of held-out problems, sampled at the RL temperature with a fixed
-    seed (the same problems and seeds at every evaluation, so evaluations are comparable)."""
-    rng = _rng(cfg, 3)
-    problems = [env.sample_problem(rng) for _ in range(EVAL_PROBLEMS)]
-    groups = rollout(
-        trainer,
-        env,
-        problems,
-        group_size=1,
-        max_tokens_per_turn=cfg.env.max_tokens_per_turn,
-        temperature=cfg.rl.temperature,
-        seed=cfg.run.seed + 12345,
-        max_seq_len=cfg.model.max_seq_len,
-    )
-    return float(np.mean([g[0].reward for g in groups]))
+#: Hosted backends: ``[run].backend`` → the module whose ``make_trainer(cfg, run_dir)`` builds it.
+_HOSTED_BACKENDS = {"fireworks": "runner.fireworks", "tinker": "runner.tinker"}
 
 
 class MetricsLog:
@@ -444,6 +280,7 @@ def run(
     start = 1
     manifest = None
     check_unlocked(run_dir)  # a run in progress is named before anything else is said about it
+    job, cfg = build_job(cfg)  # the tokenizer, task and data ([sft].epochs sets [sft].steps)
     if restart:
         if resume:
             raise ValueError("--restart and --resume exclude each other")
@@ -499,7 +336,11 @@ def run(
                 "choose another --name"
             )
         )
-    check_task_fits(cfg, make_env(cfg), start=start)
+    check_job(job, cfg, start=start)
+    sft_pos = job.sft.start() if job.sft is not None else None
+    if manifest is not None and job.sft is not None and start <= cfg.sft.steps:
+        sft_pos = job.sft.restore(manifest["run_state"].get("data_position"))
+    held_out = eval_problems(cfg, job.task) if job.task is not None else None
     owned = trainer is None
     if not owned:  # a received trainer: check it before the run directory is touched
         caps = check_capabilities(cfg, trainer, start=start)
@@ -533,7 +374,6 @@ def run(
                 ckpt.load_resumable(
                     trainer, manifest["resumable"], with_optimizer=True, caps=caps, run_dir=run_dir
                 )
-            env = make_env(cfg)
             log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
             step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
             reference = None
@@ -545,6 +385,22 @@ def run(
             from runner.plot import plot_metrics
             from runner.progress import Progress  # rich is optional at import time
 
+            def evaluations(step: int) -> dict[str, float]:
+                """Held-out reward (step 0, the end of each phase) and SFT eval NLL (step 0,
+                every [sft].eval_every SFT steps, the end of SFT)."""
+                out = {}
+                sft_end = step == cfg.sft.steps
+                if held_out is not None and (step == 0 or sft_end or step == total):
+                    out["eval_reward"] = evaluate(cfg, trainer, job.task, held_out)
+                every = cfg.sft.eval_every
+                if job.eval_set is not None and (
+                    step == 0 or sft_end or (every and step % every == 0 and step < cfg.sft.steps)
+                ):
+                    out["sft/eval_nll"] = eval_nll(
+                        trainer, job.eval_set.examples, cfg.sft.batch_size
+                    )
+                return out
+
             def checkpoint(step: int) -> None:
                 nonlocal last_manifest
                 run_state = {
@@ -553,7 +409,11 @@ def run(
                     "sft_steps": cfg.sft.steps,
                     "config_identity": cfg.identity(),
                     "seed": cfg.run.seed,
-                    "data_position": step,
+                    "data_position": (
+                        job.sft.position_state(sft_pos, min(step, cfg.sft.steps))
+                        if job.sft is not None
+                        else None
+                    ),
                     "run_id": run_id,
                 }
                 if reference is not None:
@@ -572,18 +432,13 @@ def run(
 
             with Progress(total=total, start=start - 1, enabled=progress) as bar:
                 if start == 1:
-                    log.append(
-                        {
-                            "step": 0,
-                            "phase": "eval",
-                            "eval_reward": evaluate(cfg, trainer, env),
-                            "time": time.time(),
-                        }
-                    )
+                    log.append({"step": 0, "phase": "eval", **evaluations(0), "time": time.time()})
                 for step in range(start, total + 1):
                     t0 = time.perf_counter()
                     if step <= cfg.sft.steps:
-                        metrics = sft_step(cfg, trainer, env, step)
+                        examples, sft_pos, data_metrics = job.sft.batch(step, sft_pos)
+                        metrics = sft_step(cfg, trainer, examples, job.tokenizer.pad_id)
+                        metrics.update(data_metrics)
                         phase = "sft"
                     else:
                         if reference is None and cfg.rl.kl_coef > 0:
@@ -592,13 +447,12 @@ def run(
                                 "path": REFERENCE_FILE,
                                 "sha256": tree_digests(run_dir / REFERENCE_FILE, run_dir),
                             }
-                        metrics = rl_step(cfg, trainer, env, step, step_runner, reference)
+                        metrics = rl_step(cfg, trainer, job.task, step, step_runner, reference)
                         phase = "rl"
                     elapsed = time.perf_counter() - t0
                     metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
                     metrics["step_time_s"] = elapsed
-                    if step == cfg.sft.steps or step == total:
-                        metrics["eval_reward"] = evaluate(cfg, trainer, env)
+                    metrics.update(evaluations(step))
                     record = {"step": step, "phase": phase, "time": time.time(), **metrics}
                     log.append(record)
                     bar.update(step, record)

@@ -1,5 +1,10 @@
 """An in-process fake of the Fireworks training service, sampler and control plane.
 
+Superseded by the local server (`runner.serve`, its Fireworks flavour): the Fireworks backend's
+tests run the real SDK against it (tests/test_fireworks*.py, tests/test_serve_fireworks.py).
+What still uses this fake: tests/test_kernels.py (the opt-in ``reinforce`` kernel through
+``FireworksTrainer``) and tests/test_protocols.py (the trainer's capabilities).
+
 `FakeFireworks` is one "account": trainer jobs (each backed by a `runner.local.LocalTrainer`),
 their DCP and sampler checkpoints, control-plane rows shaped like
 ``TrainerJobManager.list_checkpoints`` rows, promoted models and deletions. `FakeTrainingClient`
@@ -285,31 +290,29 @@ class FakeSamplingClient:
         return fut
 
     def flush(self) -> None:
-        from runner.fireworks import prompt_seed
-        from runner.fireworks._trainer import PROMPT_SEED_STRIDE
+        from runner.fireworks._seeds import decode_sample_seed
 
         pending, self._pending = self._pending, []
         groups: dict[tuple, list] = {}
         for tokens, n, sp, fut in pending:
-            base, index = divmod(int(sp.seed), PROMPT_SEED_STRIDE)
-            assert prompt_seed(base, index) == sp.seed
-            key = (base, n, sp.max_tokens, float(sp.temperature), tuple(sp.stop or ()))
-            groups.setdefault(key, []).append((index, tokens, fut))
+            base, index, sample = decode_sample_seed(int(sp.seed))
+            key = (base, sp.max_tokens, float(sp.temperature), tuple(sp.stop or ()))
+            groups.setdefault(key, []).append((index, sample, n, tokens, fut))
         trainer = self.world.sampler_trainer()
         trainer.set_params(self.params)
-        for (base, n, max_tokens, temperature, stop), items in groups.items():
-            prompts: list[list[int]] = [[0]] * (max(i for i, _, _ in items) + 1)
-            for i, tokens, _ in items:
+        for (base, max_tokens, temperature, stop), items in groups.items():
+            prompts: list[list[int]] = [[0]] * (max(i for i, *_ in items) + 1)
+            for i, _, _, tokens, _ in items:
                 prompts[i] = tokens
             out = trainer.sample(
                 prompts,
-                num_samples=n,
+                num_samples=max(j + n for _, j, n, _, _ in items),
                 max_tokens=max_tokens,
                 temperature=temperature,
                 seed=base,
                 stop_token_ids=stop,
             )
-            for i, _, fut in items:
+            for i, j, n, _, fut in items:
                 fut.set(
                     types.SampleResponse(
                         sequences=[
@@ -318,7 +321,7 @@ class FakeSamplingClient:
                                 tokens_np=s.tokens.astype(np.int32),
                                 logprobs_np=s.logprobs.astype(np.float32),
                             )
-                            for s in out[i]
+                            for s in out[i][j : j + n]
                         ]
                     )
                 )

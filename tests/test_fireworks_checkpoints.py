@@ -1,13 +1,16 @@
-"""The Fireworks checkpoint contract (reference/sft-translation.md §7) against the SDK fake.
+"""The Fireworks checkpoint contract (reference/sft-translation.md §7) over the real SDK.
 
-Identity resolution against a pre-save baseline of the control plane's rows (renamed, lagging,
-ambiguous, missing rows; listing failure; the save lock), the manifest fields, same-job and
-cross-job resume (failing closed on an unresolved identity), promotable snapshots, and final
-promotion before (and only before) trainer deletion.
+Against the local server's Fireworks flavour (`runner.serve`), with the behaviours of a hosted
+control plane injected as server faults (`tests.test_serve_fireworks.Wire`: renamed, lagging,
+ambiguous, missing rows; listing failure; a failed promotion; a deletion that does not take
+effect): identity resolution against a pre-save baseline of the control plane's rows, the save
+lock, the manifest fields, same-job and cross-job resume (failing closed on an unresolved
+identity), promotable snapshots, and final promotion before (and only before) trainer deletion.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import warnings
@@ -16,39 +19,93 @@ import jax
 import numpy as np
 import pytest
 
-from runner import AdamParams, make_seq
-from runner import checkpoints as ckpt
-from runner.checkpoints import CheckpointError
-from runner.fireworks import FireworksTrainer
-from runner.local import LocalTrainerConfig
-from tests.fireworks_fake import FakeFireworks
+pytest.importorskip("aiohttp")
 
-CFG = LocalTrainerConfig(
-    vocab_size=16, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=32, seed=5
+from runner import AdamParams, make_seq  # noqa: E402
+from runner import checkpoints as ckpt  # noqa: E402
+from runner.checkpoints import CheckpointError  # noqa: E402
+from runner.fireworks import FireworksTrainer  # noqa: E402
+from runner.serve import BaseModel  # noqa: E402
+from tests.test_serve_fireworks import (  # noqa: E402
+    BASE,
+    CFG,
+    Wire,
+    connect,
+    control_plane,
+    fireworks_server,
+    served_model,
 )
-BASE = "accounts/fireworks/models/qwen3-8b"
+
 SEQS = [make_seq([1, 2, 3, 4, 5], weights=[0.0, 1.0, 1.0, 0.5])]
+ACCOUNT = "foldloss-local"
+OTHER = "accounts/fireworks/models/llama-v3p1-8b-instruct"
+
+
+class World:
+    """The server as these tests see it: its control plane's records and the injected faults."""
+
+    def __init__(self, st, wire: Wire) -> None:
+        self.st, self.wire = st, wire
+        self.control = control_plane(st)
+
+    def __getattr__(self, name):  # the fault knobs and the recorded events
+        return getattr(self.wire, name)
+
+    def job(self, job_id: str) -> dict:
+        return self.control.jobs[job_id]
+
+    def rows(self, job_id: str) -> list[dict]:
+        return self.control.jobs[job_id]["_checkpoints"]
+
+    def rename(self, monkeypatch, fn) -> None:
+        """The server stores each DCP under ``fn(name, job record)`` instead of its name."""
+        control = self.control
+        original = control.add_checkpoint
+
+        def add(ns, name, ref, row_type, promotable):
+            if ref.kind == "state":
+                name = fn(name, control.job(ns.job))
+            return original(ns, name, ref, row_type, promotable)
+
+        monkeypatch.setattr(control, "add_checkpoint", add)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    wire = Wire()
+    models = {name: BaseModel(name, dataclasses.replace(CFG, checkpoint_dir=None))
+              for name in (BASE, OTHER)}  # fmt: skip
+    st = fireworks_server(tmp_path_factory.mktemp("fw-ckpt"), models, wire=wire)
+    yield st, wire
+    st.stop()
 
 
 @pytest.fixture
-def world(tmp_path):
-    return FakeFireworks(tmp_path / "fw", CFG)
+def world(server):
+    st, wire = server
+    wire.reset()
+    made: list[FireworksTrainer] = []
+    w = World(st, wire)
+    w.made = made
+    w.control.models.clear()  # each test promotes its own model ids
+    yield w
+    wire.reset()
+    for t in made:
+        t.close()
 
 
 def trainer_on(world, job_id=None, **kw) -> FireworksTrainer:
-    client = world.connect(job_id)
     kw.setdefault("identity_timeout_s", 0.2)
-    return FireworksTrainer(
-        client,
+    t = connect(
+        world.st,
+        trainer_job_id=job_id or "",
         base_model=kw.pop("base_model", BASE),
-        trainer_job_id=client.job.id,
-        control_plane=world.control,
-        poll_interval_s=0.01,
-        settle_s=0.0,
         delete_poll_s=0.01,
         delete_timeout_s=0.2,
         **kw,
     )
+    world.made.append(t)
+    return t
 
 
 def train_step(t: FireworksTrainer) -> None:
@@ -56,8 +113,12 @@ def train_step(t: FireworksTrainer) -> None:
     t.optim_step(AdamParams(learning_rate=1e-2), "none")
 
 
-def params(t: FireworksTrainer):
-    return jax.tree.map(np.asarray, t.client.local.params)
+def params(world, t: FireworksTrainer):
+    return jax.tree.map(np.asarray, served_model(world.st, t).trainer.params)
+
+
+def step_of(world, t: FireworksTrainer) -> int:
+    return served_model(world.st, t).trainer.step
 
 
 def assert_same(a, b):
@@ -79,10 +140,10 @@ def test_resolved_identity_has_every_manifest_field(world, tmp_path):
     assert r["checkpoint_name"] == r["requested_checkpoint_name"]
     assert r["requested_checkpoint_name"].startswith("foldloss-step-1-")
     assert r["checkpoint_resource"] == (
-        f"accounts/acct/rlorTrainerJobs/{t.trainer_job_id}/checkpoints/{r['checkpoint_name']}"
+        f"accounts/{ACCOUNT}/rlorTrainerJobs/{t.trainer_job_id}/checkpoints/{r['checkpoint_name']}"
     )
     assert r["checkpoint_type"] == "CHECKPOINT_TYPE_TRAINING"
-    assert r["provider_path"].startswith("tinker://")
+    assert r["provider_path"] == r["checkpoint_name"]  # the server answers the logical name
     assert r["source_trainer_job_id"] == t.trainer_job_id and r["base_model"] == BASE
     assert r["includes_optimizer_state"] is True and r["checkpoint_kind"] == "fireworks_dcp"
     p = manifest["promotable"]
@@ -91,8 +152,12 @@ def test_resolved_identity_has_every_manifest_field(world, tmp_path):
     assert ckpt.read_manifest(tmp_path / "ckpts", 1)["resumable"] == r
 
 
-def test_a_renamed_checkpoint_is_recorded_under_the_server_name(world):
-    world.rename = lambda name, job: f"step-{len(job.dcp) + 1}"
+def _dcp_count(job: dict) -> int:
+    return sum(r["kind"] == "state" for r in job["_checkpoints"])
+
+
+def test_a_renamed_checkpoint_is_recorded_under_the_server_name(world, monkeypatch):
+    world.rename(monkeypatch, lambda name, job: f"step-{_dcp_count(job) + 1}")
     t = trainer_on(world)
     r = t.save_resumable("foldloss-step-7")
     assert r["identity_resolved"] and r["checkpoint_name"] == "step-1"
@@ -101,7 +166,7 @@ def test_a_renamed_checkpoint_is_recorded_under_the_server_name(world):
 
 
 def test_rows_that_appear_late_are_still_resolved(world):
-    world.row_lag = 3
+    world.wire.row_lag = 3
     t = trainer_on(world, identity_timeout_s=5.0)
     assert t.save_resumable("s")["identity_resolved"]
 
@@ -109,9 +174,9 @@ def test_rows_that_appear_late_are_still_resolved(world):
 @pytest.mark.parametrize(
     "setup, why",
     [
-        (lambda w: setattr(w, "extra_rows_on_save", 1), "candidates=2"),
-        (lambda w: setattr(w, "hide_rows", True), "candidates=0"),
-        (lambda w: setattr(w, "list_fails", True), "no control-plane baseline"),
+        (lambda w: setattr(w.wire, "extra_rows", True), "candidates=2"),
+        (lambda w: setattr(w.wire, "hide_rows", True), "candidates=0"),
+        (lambda w: setattr(w.wire, "list_fails", True), "no control-plane baseline"),
     ],
     ids=["ambiguous", "missing", "listing-fails"],
 )
@@ -127,14 +192,14 @@ def test_unresolved_identities_warn_and_record_none(world, setup, why):
 
 
 def test_no_control_plane_means_unresolved(world):
-    client = world.connect()
-    t = FireworksTrainer(client, base_model=BASE, trainer_job_id=client.job.id)
+    t = trainer_on(world)
+    t.control_plane = None
     with pytest.warns(RuntimeWarning, match="no control-plane baseline"):
         assert t.save_resumable("s")["checkpoint_resource"] is None
 
 
 def test_concurrent_saves_are_serialized_and_each_resolves_its_own_row(world):
-    world.save_state_delay = 0.05
+    world.wire.save_delay_s = 0.05
     t = trainer_on(world, identity_timeout_s=2.0)
     results = []
     threads = [
@@ -155,7 +220,7 @@ def test_concurrent_saves_are_serialized_and_each_resolves_its_own_row(world):
 
 def test_listing_failure_during_polling_is_retried(world):
     t = trainer_on(world, identity_timeout_s=2.0)
-    original = world.control.list_checkpoints
+    original = t.control_plane.list_checkpoints
     calls = []
 
     def flaky(job_id, *, page_size=200):
@@ -164,7 +229,7 @@ def test_listing_failure_during_polling_is_retried(world):
             raise RuntimeError("HTTP 503")
         return original(job_id, page_size=page_size)
 
-    world.control.list_checkpoints = flaky
+    t.control_plane.list_checkpoints = flaky
     assert t.save_resumable("s")["identity_resolved"]
 
 
@@ -175,15 +240,16 @@ def test_same_job_resume_by_name_restores_weights_and_optimizer(world):
     t = trainer_on(world)
     train_step(t)
     identity = t.save_resumable("s1")
-    saved, step = params(t), t.client.local.step
+    saved, step = params(world, t), step_of(world, t)
     train_step(t)
     t.load_resumable(identity, with_optimizer=True)
-    assert_same(params(t), saved) and t.client.local.step == step
+    assert_same(params(world, t), saved)
+    assert step_of(world, t) == step
     assert world.events[-1] == ("load", identity["checkpoint_name"])
 
 
-def test_same_job_resume_of_a_renamed_checkpoint_uses_the_resolved_name(world):
-    world.rename = lambda name, job: "step-4"
+def test_same_job_resume_of_a_renamed_checkpoint_uses_the_resolved_name(world, monkeypatch):
+    world.rename(monkeypatch, lambda name, job: "step-4")
     t = trainer_on(world)
     train_step(t)
     identity = t.save_resumable("s1")
@@ -202,12 +268,12 @@ def test_cross_job_resume_uses_a_cross_job_reference(world):
     b.load_resumable(identity, with_optimizer=True)
     ref = f"cross_job://{a.trainer_job_id}/{identity['checkpoint_name']}"
     assert world.events[-1] == ("load", ref)
-    assert_same(params(b), params(a))
-    assert b.client.local.step == a.client.local.step == 2
+    assert_same(params(world, b), params(world, a))
+    assert step_of(world, b) == step_of(world, a) == 2
     # the optimizer state came along: the next step is identical on both
     train_step(a)
     train_step(b)
-    assert_same(params(b), params(a))
+    assert_same(params(world, b), params(world, a))
 
 
 def test_weights_only_resume(world):
@@ -216,13 +282,14 @@ def test_weights_only_resume(world):
     identity = a.save_resumable("s1")
     b = trainer_on(world)
     b.load_resumable(identity, with_optimizer=False)
-    assert_same(params(b), params(a)) and b.client.local.step == 0
+    assert_same(params(world, b), params(world, a))
+    assert step_of(world, b) == 0
 
 
 @pytest.mark.parametrize("resource", [None, ""])
 def test_unresolved_cross_job_identity_fails_closed(world, resource):
     a = trainer_on(world)
-    world.extra_rows_on_save = 1
+    world.wire.extra_rows = True
     with pytest.warns(RuntimeWarning):
         identity = a.save_resumable("s1")
     identity["checkpoint_resource"] = resource
@@ -235,7 +302,7 @@ def test_unresolved_cross_job_identity_fails_closed(world, resource):
 def test_resume_refuses_another_base_model_or_backend(world):
     a = trainer_on(world)
     identity = a.save_resumable("s1")
-    b = trainer_on(world, base_model="accounts/fireworks/models/llama-v3p1-8b-instruct")
+    b = trainer_on(world, base_model=OTHER)
     with pytest.raises(CheckpointError, match="trained from base model"):
         b.load_resumable(identity)
     with pytest.raises(CheckpointError, match="not a Fireworks DCP"):
@@ -262,7 +329,7 @@ def test_main_job_manifest_without_identity_fails_closed(world, tmp_path):
 
 def test_promotable_snapshot_without_a_row_is_recorded_without_resource(world):
     t = trainer_on(world)
-    world.hide_rows = True
+    world.wire.hide_rows = True
     with pytest.warns(RuntimeWarning, match="no promotable control-plane row"):
         p = t.save_promotable("s1")
     assert p["checkpoint_resource"] is None and p["snapshot_path"]
@@ -279,16 +346,16 @@ def test_finalize_without_output_model_keeps_the_trainer(world, tmp_path):
     t = trainer_on(world)
     assert t.finalize(tmp_path, _final_manifest(t, tmp_path)) is None
     assert not world.events or all(e[0] == "load" for e in world.events)
-    assert world.jobs[t.trainer_job_id].state == "JOB_STATE_RUNNING"
+    assert world.job(t.trainer_job_id)["state"] == "JOB_STATE_RUNNING"
     assert not (tmp_path / "fireworks_final_model.json").exists()
 
 
 def test_finalize_reuses_the_promotable_checkpoint_then_deletes(world, tmp_path):
     t = trainer_on(world, output_model_id="my-final-model")
     manifest = _final_manifest(t, tmp_path)
-    rows_before = len(world.jobs[t.trainer_job_id].rows)
+    rows_before = len(world.rows(t.trainer_job_id))
     record = t.finalize(tmp_path, manifest)
-    assert len(world.jobs[t.trainer_job_id].rows) == rows_before  # no new snapshot
+    assert len(world.rows(t.trainer_job_id)) == rows_before  # no new snapshot
     resource = manifest["promotable"]["checkpoint_resource"]
     assert world.events == [("promote", resource), ("delete", t.trainer_job_id)]
     assert record["reused_promotable_checkpoint"] is True
@@ -296,10 +363,10 @@ def test_finalize_reuses_the_promotable_checkpoint_then_deletes(world, tmp_path)
     final = json.loads((tmp_path / "fireworks_final_model.json").read_text())
     assert final["checkpoint_resource"] == resource and final["output_model_id"] == "my-final-model"
     assert final["dcp_checkpoint"] == manifest["resumable"] and final["step"] == 3
-    assert final["model"]["name"] == "accounts/acct/models/my-final-model"
+    assert final["model"]["name"] == f"accounts/{ACCOUNT}/models/my-final-model"
     cleanup = json.loads((tmp_path / "fireworks_trainer_cleanup.json").read_text())
     assert cleanup == {"trainer_job_id": t.trainer_job_id, "state": "JOB_STATE_DELETED"}
-    assert world.models["my-final-model"]["checkpoint"] == resource
+    assert world.control.models["my-final-model"]["checkpoint"] == resource
 
 
 def test_finalize_saves_a_final_snapshot_when_the_manifest_has_none(world, tmp_path):
@@ -323,27 +390,27 @@ def test_finalize_falls_back_when_the_promotable_record_is_partial(world, tmp_pa
 def test_promotion_failure_keeps_the_trainer(world, tmp_path):
     t = trainer_on(world, output_model_id="m-1")
     manifest = _final_manifest(t, tmp_path)
-    world.promote_error = RuntimeError("promotion failed: quota")
+    world.wire.promote_error = "promotion failed: quota"
     with pytest.raises(RuntimeError, match="quota"):
         t.finalize(tmp_path, manifest)
     assert not [e for e in world.events if e[0] == "delete"]
-    assert world.jobs[t.trainer_job_id].state == "JOB_STATE_RUNNING"
+    assert world.job(t.trainer_job_id)["state"] == "JOB_STATE_RUNNING"
     assert not (tmp_path / "fireworks_final_model.json").exists()
 
 
 def test_no_promotable_row_for_the_final_snapshot_promotes_and_deletes_nothing(world, tmp_path):
     t = trainer_on(world, output_model_id="m-1")
     manifest = _final_manifest(t, tmp_path, promotable=False)
-    world.hide_rows = True
+    world.wire.hide_rows = True
     with pytest.raises(CheckpointError, match="no promotable control-plane row"):
         t.finalize(tmp_path, manifest)
-    assert world.events == [] and world.jobs[t.trainer_job_id].state == "JOB_STATE_RUNNING"
+    assert world.events == [] and world.job(t.trainer_job_id)["state"] == "JOB_STATE_RUNNING"
 
 
 def test_a_deletion_that_does_not_take_effect_is_an_error(world, tmp_path):
     t = trainer_on(world, output_model_id="m-1")
     manifest = _final_manifest(t, tmp_path)
-    world.delete_noop = True
+    world.wire.delete_noop = True
     with pytest.raises(CheckpointError, match="still JOB_STATE_RUNNING"):
         t.finalize(tmp_path, manifest)
     assert [e[0] for e in world.events] == ["promote", "delete"]

@@ -1,5 +1,6 @@
 """The optional torch bridge: `runner.fireworks.torch_loss_fn` in the SDK's own
-``forward_backward_custom`` algorithm (run against the fake) gives the JAX gradient and loss."""
+``forward_backward_custom`` algorithm (the real SDK against the local server) gives the JAX
+gradient and loss."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ torch = pytest.importorskip("torch")
 
 import losses  # noqa: E402
 from runner import AdamParams, ClientLoss, StepRunner  # noqa: E402
-from runner.fireworks import FireworksTrainer, to_datums, torch_loss_fn  # noqa: E402
+from runner.fireworks import to_datums, torch_loss_fn  # noqa: E402
 from runner.local import LocalTrainer  # noqa: E402
-from tests.fireworks_fake import FakeFireworks  # noqa: E402
-from tests.test_fireworks import BASE, CFG, rl_seqs  # noqa: E402
+from tests.test_fireworks import rl_seqs  # noqa: E402
+from tests.test_serve_fireworks import CFG, connect, fireworks_server, served_model  # noqa: E402
 
 TERM = losses.fold(losses.grpo(kl_coef=0.0), losses.echo_env(coef=0.2))
 
@@ -46,11 +47,23 @@ def test_closure_checks_the_datums_match_the_batch():
         fn(data[:2], lps[:2])
 
 
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    st = fireworks_server(tmp_path_factory.mktemp("fw-torch"))
+    yield st
+    st.stop()
+
+
+@pytest.fixture
+def trainer(served):
+    t = connect(served)
+    yield t
+    t.close()
+
+
 @pytest.mark.parametrize("precomputed", [False, True])
-def test_sdk_forward_backward_custom_equals_the_client_path(tmp_path, precomputed):
-    world = FakeFireworks(tmp_path, CFG)
-    client = world.connect()
-    trainer = FireworksTrainer(client, base_model=BASE, trainer_job_id=client.job.id)
+def test_sdk_forward_backward_custom_equals_the_client_path(served, trainer, precomputed):
+    client = trainer.client
     local = LocalTrainer(CFG)
     seqs = rl_seqs(seed=5)
     data = to_datums([s.with_inputs() for s in seqs])  # target_tokens only, as the SDK requires
@@ -66,15 +79,13 @@ def test_sdk_forward_backward_custom_equals_the_client_path(tmp_path, precompute
     assert result.metrics["loss:sum"] != pytest.approx(value)
     trainer.optim_step(AdamParams(learning_rate=1e-2), "none")
     StepRunner(TERM, mode="client").step(local, seqs, AdamParams(learning_rate=1e-2))
-    for a, b in zip(
-        jax.tree.leaves(client.local.params), jax.tree.leaves(local.params), strict=True
-    ):
+    params = served_model(served, trainer).trainer.params
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(local.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
 
 
-def test_the_sdk_rejects_extra_datum_keys_on_the_custom_path(tmp_path):
-    world = FakeFireworks(tmp_path, CFG)
-    client = world.connect()
+def test_the_sdk_rejects_extra_datum_keys_on_the_custom_path(trainer):
+    client = trainer.client
     seqs = rl_seqs(seed=5, n=2)
     data = to_datums([s.with_inputs(weights=s.inputs["action_mask"]) for s in seqs], ("weights",))
     data_bad = to_datums(

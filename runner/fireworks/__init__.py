@@ -20,8 +20,10 @@ from typing import Any
 
 _EXPORTS = {
     "FireworksTrainer": "runner.fireworks._trainer",
+    "FireworksRequestError": "runner.fireworks._trainer",
     "make_trainer": "runner.fireworks._trainer",
-    "prompt_seed": "runner.fireworks._trainer",
+    "prompt_seed": "runner.fireworks._seeds",
+    "sample_seed": "runner.fireworks._seeds",
     "BUILTIN_LOSSES": "runner.fireworks._convert",
     "LOSS_CONFIG_KEYS": "runner.fireworks._convert",
     "OPT_IN_LOSSES": "runner.fireworks._convert",

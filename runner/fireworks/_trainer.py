@@ -8,7 +8,7 @@ a forward it already ran at the current weights). ``optim_step`` sends the SDK's
 
 Sampling hot-loads the current weights into the trainer's deployment (``save_weights_for_sampler``
 then ``create_sampling_client``) once per weights version and samples each prompt with a
-deterministic per-prompt seed (`prompt_seed`).
+deterministic seed per completion (`runner.fireworks._seeds.sample_seed`).
 
 Checkpoints follow reference/sft-translation.md §7: `save_resumable` resolves the new DCP row
 against a control-plane listing taken before the save (under a lock), `load_resumable` resumes on
@@ -55,12 +55,16 @@ from runner.fireworks._convert import (
     output_logprobs,
     to_datums,
 )
+from runner.fireworks._seeds import (  # noqa: F401 - prompt_seed is re-exported
+    MAX_SAMPLES,
+    PROMPT_SEED_STRIDE,
+    prompt_seed,
+    sample_seed,
+)
 from runner.fireworks._validate import api_key_from_env, check_text_only, validate_static
 
 log = logging.getLogger("runner.fireworks")
 
-#: Prompts per ``sample`` call are numbered below this (see `prompt_seed`).
-PROMPT_SEED_STRIDE = 2**20
 _NORMALIZATION = {
     None: GradAccNormalization.NONE,
     "none": GradAccNormalization.NONE,
@@ -69,14 +73,20 @@ _NORMALIZATION = {
 }
 
 
-def prompt_seed(seed: int, index: int) -> int:
-    """The sampling seed of prompt ``index`` of a ``sample(..., seed=seed)`` call.
+class FireworksRequestError(ValueError):
+    """A Fireworks request failed or timed out (one line: what, where, why; never the key)."""
 
-    ``seed·2^20 + index``: distinct per prompt, reproducible, and decodable (a backend can
-    recover ``(seed, index)``, which is how the in-process fake reproduces the local trainer's
-    per-prompt random streams).
-    """
-    return int(seed) * PROMPT_SEED_STRIDE + int(index)
+
+def _first_line(text: str) -> str:
+    """One line of an error text; the SDK's ``ERROR: <what> / Cause: <cause> / ...`` blocks
+    become ``<what>: <cause>``."""
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if lines[0].startswith("ERROR: "):
+        cause = [ln[len("Cause: ") :] for ln in lines[1:] if ln.startswith("Cause: ")]
+        return lines[0][len("ERROR: ") :] + (f": {cause[0]}" if cause else "")
+    return lines[0]
 
 
 def _float_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
@@ -110,6 +120,7 @@ class FireworksTrainer:
       delete_timeout_s / delete_poll_s: how long to verify the deletion (60 s / 5 s).
       modality: ``"auto"``, ``"text"`` or ``"vision"`` (see `runner.fireworks.check_text_only`).
       name_prefix: prefix of the sampler snapshot names.
+      base_url: the control plane's URL, named in error messages.
       builtin_losses: the kernels the step planner may use (default: all of
         `runner.fireworks.BUILTIN_LOSSES`). A subset restricts them; a capability-gated kernel of
         `runner.fireworks.OPT_IN_LOSSES` (``reinforce``, undocumented formula) is used only when
@@ -119,7 +130,7 @@ class FireworksTrainer:
     Attributes:
       builtin_losses: kernel names for `runner.plan_step`.
       counters: SDK calls issued: ``forward``, ``forward_backward``, ``optim_step``, ``sample``
-        (per prompt), ``sampler_sync`` (hot-loads), ``save_state``, ``save_sampler``,
+        (per completion), ``sampler_sync`` (hot-loads), ``save_state``, ``save_sampler``,
         ``load_state``.
     """
 
@@ -143,6 +154,7 @@ class FireworksTrainer:
         modality: str = "auto",
         name_prefix: str = "foldloss",
         builtin_losses: Sequence[str] | None = None,
+        base_url: str | None = None,
     ) -> None:
         if not isinstance(base_model, str) or not base_model.strip():
             raise ValueError("FireworksTrainer: base_model is required")
@@ -163,6 +175,7 @@ class FireworksTrainer:
                     f"not advertise {OPT_IN_LOSSES[name]}"
                 )
         self.builtin_losses = tuple(builtin_losses)
+        self.base_url = base_url or None
         self.client = client
         self.service = service
         self.control_plane = control_plane
@@ -214,8 +227,69 @@ class FireworksTrainer:
 
     # -- training ---------------------------------------------------------------------------
 
-    def _result(self, future: Any) -> Any:
-        return future.result(timeout=self.request_timeout_s)
+    def _result(self, future: Any, what: str) -> Any:
+        """The future's result within ``request_timeout_s``; any failure of the request (its
+        future failed, the service refused it or is unreachable, no answer in time) becomes one
+        `FireworksRequestError` line naming the request and the cause."""
+        try:
+            return future.result(timeout=self.request_timeout_s)
+        except TimeoutError:
+            raise self._timeout(what) from None
+        except Exception as exc:  # noqa: BLE001 - classified by `_error`
+            raise self._error(what, exc) from None
+
+    def _blocking(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` — an SDK call that waits on the service without a timeout of
+        its own (``save_weights_for_sampler_ext``, the hot load) — bounded by
+        ``request_timeout_s``; failures as in `_result`.
+
+        The call runs on a daemon thread: one stuck on a dead service is abandoned (and cannot
+        keep the process alive) after the error is raised.
+        """
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=call, name=f"fireworks-{what}", daemon=True).start()
+        if not done.wait(self.request_timeout_s):
+            raise self._timeout(what)
+        if "error" in box:
+            exc = box["error"]
+            if isinstance(exc, NotImplementedError | CheckpointError):
+                raise exc
+            raise self._error(what, exc) from None
+        return box["value"]
+
+    def _where(self) -> str:
+        return f" ({self.base_url})" if self.base_url else ""
+
+    def _timeout(self, what: str) -> FireworksRequestError:
+        return FireworksRequestError(
+            f"Fireworks{self._where()}: {what}: no result within [fireworks].request_timeout_s = "
+            f"{self.request_timeout_s:g} s (the service may be down or overloaded)"
+        )
+
+    def _error(self, what: str, exc: BaseException) -> FireworksRequestError:
+        from fireworks.training.sdk import APIConnectionError, APIStatusError, RequestFailedError
+
+        if isinstance(exc, FireworksRequestError):
+            return exc
+        if isinstance(exc, RequestFailedError):
+            why = f" failed ({exc.category} error): {_first_line(exc.message)}"
+        elif isinstance(exc, APIStatusError):
+            why = f": HTTP {exc.status_code}: {_first_line(str(exc))}"
+        elif isinstance(exc, APIConnectionError):
+            why = f": connection failed: {_first_line(str(exc))}"
+        else:  # e.g. RetryableException "Promise expired/broken" (HTTP 410), a hot-load failure
+            why = f": {type(exc).__name__}: {_first_line(str(exc))}"
+        return FireworksRequestError(f"Fireworks{self._where()}: {what}{why}")
 
     def forward(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
         """Per-target float32 logprobs at the current weights (one ``cross_entropy`` forward).
@@ -230,7 +304,7 @@ class FireworksTrainer:
         datums = to_datums(
             zero, ("weights",), max_seq_len=self.max_seq_len, cache=self._model_inputs
         )
-        out = self._result(self.client.forward(datums, "cross_entropy"))
+        out = self._result(self.client.forward(datums, "cross_entropy"), "forward")
         self.counters["forward"] += 1
         return output_logprobs(out, seqs, required=True)
 
@@ -258,7 +332,9 @@ class FireworksTrainer:
             max_seq_len=self.max_seq_len,
             cache=self._model_inputs,
         )
-        out = self._result(self.client.forward_backward(datums, loss_name, cfg or None))
+        out = self._result(
+            self.client.forward_backward(datums, loss_name, cfg or None), "forward_backward"
+        )
         self.counters["forward_backward"] += 1
         return ForwardBackwardResult(
             logprobs=output_logprobs(out, seqs, required=False),
@@ -293,7 +369,8 @@ class FireworksTrainer:
         response = self._result(
             self.client.optim_step(
                 params, grad_accumulation_normalization=_NORMALIZATION[normalization]
-            )
+            ),
+            "optim_step",
         )
         self.counters["optim_step"] += 1
         self._weights_version += 1
@@ -306,10 +383,15 @@ class FireworksTrainer:
             if self._sampler is not None and self._sampler_version == self._weights_version:
                 return self._sampler
             name = f"{self.name_prefix}-sampler-{self._weights_version}"
-            path = self._result(self.client.save_weights_for_sampler(name)).path
+            saved = self._blocking(
+                "save_weights_for_sampler", self.client.save_weights_for_sampler, name
+            )
+            path = self._result(saved, "save_weights_for_sampler").path
             if not path:
                 raise RuntimeError(f"save_weights_for_sampler({name!r}) returned an empty path")
-            sampler = self.client.create_sampling_client(path)
+            sampler = self._blocking(
+                "hot load (create_sampling_client)", self.client.create_sampling_client, path
+            )
             self.counters["save_sampler"] += 1
             self.counters["sampler_sync"] += 1
             old, self._sampler = self._sampler, sampler
@@ -330,14 +412,16 @@ class FireworksTrainer:
     ) -> list[list[Sample]]:
         """``num_samples`` completions per prompt from the deployment, at the current weights.
 
-        The weights are hot-loaded once per version (after each ``optim_step``/load). Prompt
-        ``i`` samples with ``seed = prompt_seed(seed, i)``; all prompts are submitted before any
-        result is awaited. ``stop_token_ids`` are applied client-side: each completion is cut
-        after its first stop token (kept, with its logprob; ``stop_reason="stop"``). The SDK's
-        deployment sampler only takes string stops (integer ids need a tokenizer it does not have
-        by default), and a server-side stop may drop the stop token; the cut is exact because a
-        completion's prefix does not depend on what is sampled after it. Cost: up to
-        ``max_tokens`` generated tokens per completion.
+        The weights are hot-loaded once per version (after each ``optim_step``/load). Each
+        completion is its own request: sample ``j`` of prompt ``i`` with
+        ``seed = sample_seed(seed, i, j)`` (`runner.fireworks._seeds`; the SDK would send
+        ``num_samples`` requests with one seed, which a seeded deployment answers identically);
+        all requests are submitted before any result is awaited. ``stop_token_ids`` are applied
+        client-side: each completion is cut after its first stop token (kept, with its logprob;
+        ``stop_reason="stop"``). The SDK's deployment sampler only takes string stops (integer
+        ids need a tokenizer it does not have by default), and a server-side stop may drop the
+        stop token; the cut is exact because a completion's prefix does not depend on what is
+        sampled after it. Cost: up to ``max_tokens`` generated tokens per completion.
 
         Returns:
           ``result[p][j]``: a `runner.Sample` (int64 tokens, float32 sampling logprobs).
@@ -361,22 +445,34 @@ class FireworksTrainer:
                 f"sample: longest prompt ({longest}) + max_tokens ({max_tokens}) - 1 exceeds "
                 f"max_seq_len={self.max_seq_len}"
             )
+        if num_samples > MAX_SAMPLES:
+            raise ValueError(f"sample: num_samples must be <= {MAX_SAMPLES}, got {num_samples}")
         sampler = self._current_sampler()
         futures = []
         for i, a in enumerate(arrays):
-            params = types.SamplingParams(
-                max_tokens=max_tokens, temperature=float(temperature), seed=prompt_seed(seed, i)
-            )
             prompt = types.ModelInput.from_ints(a.tolist())
-            futures.append(sampler.sample(prompt, num_samples, params))
-        self.counters["sample"] += len(futures)
+            row = []
+            for j in range(num_samples):
+                # One request per completion, each with its own seed: the SDK sends a
+                # ``sample(prompt, n, params)`` as n requests with the same seed, which a seeded
+                # deployment answers with n identical completions.
+                params = types.SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=float(temperature),
+                    seed=sample_seed(seed, i, j),
+                )
+                row.append(sampler.sample(prompt, 1, params))
+            futures.append(row)
+        self.counters["sample"] += len(arrays) * num_samples
         out = []
-        for i, fut in enumerate(futures):
-            response = fut.result(timeout=self.request_timeout_s)
-            seqs = list(response.sequences)
-            if len(seqs) != num_samples:
-                raise RuntimeError(f"prompt {i}: got {len(seqs)} samples, expected {num_samples}")
-            out.append([_to_sample(s, i, stops) for s in seqs])
+        for i, row in enumerate(futures):
+            samples = []
+            for fut in row:
+                seqs = list(self._result(fut, f"sample (prompt {i})").sequences)
+                if len(seqs) != 1:
+                    raise RuntimeError(f"prompt {i}: got {len(seqs)} samples, expected 1")
+                samples.append(_to_sample(seqs[0], i, stops))
+            out.append(samples)
         return out
 
     # -- Trainer-protocol checkpoints (the run-level contract is save_resumable & co.) ------
@@ -386,7 +482,7 @@ class FireworksTrainer:
 
     def save_state(self, name: str) -> str:
         """Saves a DCP (weights + optimizer) under ``name``; returns the server's path."""
-        response = self._result(self.client.save_state(name))
+        response = self._result(self.client.save_state(name), "save_state")
         self.counters["save_state"] += 1
         path = getattr(response, "path", None)
         if not path:
@@ -399,13 +495,18 @@ class FireworksTrainer:
             future = self.client.load_state_with_optimizer(ref)
         else:
             future = self.client.load_state(ref)
-        self._result(future)
+        self._result(future, "load_state")
         self.counters["load_state"] += 1
         self._weights_version += 1
 
     def save_weights_for_sampler(self, name: str) -> str:
         """Saves a ``base`` sampler snapshot (promotable inference weights); returns its path."""
-        result = self.client.save_weights_for_sampler_ext(dns_label(name), checkpoint_type="base")
+        result = self._blocking(
+            "save_weights_for_sampler",
+            self.client.save_weights_for_sampler_ext,
+            dns_label(name),
+            checkpoint_type="base",
+        )
         self.counters["save_sampler"] += 1
         if not result.path:
             raise CheckpointError(f"save_weights_for_sampler({name!r}) returned an empty path")
@@ -515,8 +616,11 @@ class FireworksTrainer:
           checkpoint_resource, checkpoint_type}`` (resource/type None if no row appeared).
         """
         with self._provider_lock:
-            result = self.client.save_weights_for_sampler_ext(
-                dns_label(name), checkpoint_type="base"
+            result = self._blocking(
+                "save_weights_for_sampler",
+                self.client.save_weights_for_sampler_ext,
+                dns_label(name),
+                checkpoint_type="base",
             )
             self.counters["save_sampler"] += 1
             if not result.path:
@@ -607,8 +711,11 @@ class FireworksTrainer:
                 sampler_path = promotable.get("snapshot_path")
                 ctype = promotable.get("checkpoint_type")
             else:
-                result = self.client.save_weights_for_sampler_ext(
-                    f"{self.name_prefix}-final", checkpoint_type="base"
+                result = self._blocking(
+                    "save_weights_for_sampler",
+                    self.client.save_weights_for_sampler_ext,
+                    f"{self.name_prefix}-final",
+                    checkpoint_type="base",
                 )
                 self.counters["save_sampler"] += 1
                 if not result.path:
@@ -788,7 +895,13 @@ def make_trainer(cfg: Any, run_dir: Path | str | None = None) -> FireworksTraine
         what="Fireworks control plane",
         setting="[fireworks].connect_timeout_s",
     )
-    service, client, control, job_id = _connect(f, api_key)
+    try:
+        service, client, control, job_id = _connect(f, api_key)
+    except Exception as exc:  # noqa: BLE001 - any provisioning failure: one line, no traceback
+        raise FireworksRequestError(
+            f"Fireworks ({f.base_url}): cannot provision a trainer for {f.base_model!r}: "
+            f"{type(exc).__name__}: {_first_line(str(exc))}"
+        ) from None
     return FireworksTrainer(
         client,
         service=service,
@@ -801,4 +914,5 @@ def make_trainer(cfg: Any, run_dir: Path | str | None = None) -> FireworksTraine
         output_model_id=f.output_model_id or None,
         delete_trainer_after_promotion=f.delete_trainer_after_promotion,
         modality=f.modality,
+        base_url=f.base_url,
     )

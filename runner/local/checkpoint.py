@@ -220,7 +220,8 @@ def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
         for k in sorted(tensors):
             v = np.ascontiguousarray(tensors[k])
             yield f"{k}\0{v.dtype.str}\0{v.shape}\0".encode()
-            yield memoryview(v).cast("B") if v.size else b""
+            # raw bytes via a uint8 view: also for dtypes without a buffer format (bfloat16)
+            yield memoryview(v.reshape(-1).view(np.uint8)) if v.size else b""
 
     return bytes_digest(chunks())
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -25,6 +26,10 @@ import numpy as np
 Params = dict[str, Any]
 
 _DTYPES = ("float32", "float64")
+#: Decoders also run in bfloat16 (weights and activations; logprobs in float32).
+_DECODER_DTYPES = ("float32", "float64", "bfloat16")
+#: Tokens per logprob chunk of the decoders when ``logprob_chunk`` is ``None``.
+DEFAULT_LOGPROB_CHUNK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,19 @@ class LocalTrainerConfig:
         makes those calls raise.
       tie_embeddings: use the token embedding as the unembedding.
       init_std: standard deviation of the normal weight initialization.
+      decoder: a Llama / Qwen2 / Qwen3 architecture (`runner.local.models.DecoderConfig`)
+        instead of the GPT-2-style default; ``vocab_size`` is then taken from it and
+        ``d_model``/``n_layers``/``n_heads``/``d_ff``/``tie_embeddings`` are unused.
+        `LocalTrainer.from_pretrained` fills it from a Hugging Face checkpoint.
+      lora: train LoRA adapters (`runner.local.models.LoraConfig`) with the decoder's weights
+        frozen (decoders only).
+      logprob_chunk: tokens per chunk of the memory-bounded logprobs (decoders only; 0 =
+        materialized ``[B, T, V]`` logits; ``None`` = `DEFAULT_LOGPROB_CHUNK`).
+      pretrained: a Hugging Face checkpoint directory whose weights initialize the decoder
+        (its ``config.json`` must describe ``decoder``; `from_pretrained` sets both), so that
+        ``LocalTrainer(config)`` rebuilds the same model from the config alone.
+      unroll_layers: unroll the decoder's layer loop instead of scanning it (decoders only; on
+        CPU about 1.4× faster forward + backward, compile time grows with depth).
     """
 
     vocab_size: int = 64
@@ -61,8 +79,33 @@ class LocalTrainerConfig:
     checkpoint_dir: str | None = None
     tie_embeddings: bool = False
     init_std: float = 0.02
+    decoder: Any = None
+    lora: Any = None
+    logprob_chunk: int | None = None
+    pretrained: str | None = None
+    unroll_layers: bool = False
 
     def __post_init__(self) -> None:
+        if self.decoder is not None:
+            self._check_decoder()
+            return
+        if self.lora is not None:
+            raise ValueError(
+                "LocalTrainerConfig.lora needs a decoder (Llama / Qwen): the GPT-2-style default "
+                "model has no LoRA"
+            )
+        if self.pretrained is not None:
+            raise ValueError(
+                "LocalTrainerConfig.pretrained needs a decoder (use "
+                "LocalTrainerConfig.from_pretrained(path))"
+            )
+        if self.unroll_layers:
+            raise ValueError("LocalTrainerConfig.unroll_layers applies to the decoders only")
+        if self.logprob_chunk not in (None, 0):
+            raise ValueError(
+                "LocalTrainerConfig.logprob_chunk applies to the decoders only (the GPT-2-style "
+                "default materializes its logits)"
+            )
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -82,6 +125,89 @@ class LocalTrainerConfig:
             )
         if not (isinstance(self.init_std, int | float) and self.init_std > 0):
             raise ValueError(f"LocalTrainerConfig.init_std must be > 0, got {self.init_std!r}")
+
+    def _check_decoder(self) -> None:
+        from runner.local.models import DecoderConfig, LoraConfig
+
+        dec = self.decoder
+        if not isinstance(dec, DecoderConfig):
+            raise ValueError(
+                f"LocalTrainerConfig.decoder must be a runner.local.models.DecoderConfig, got "
+                f"{type(dec).__name__}"
+            )
+        if self.vocab_size not in (64, dec.vocab_size):
+            raise ValueError(
+                f"LocalTrainerConfig.vocab_size={self.vocab_size} differs from the decoder's "
+                f"vocab_size={dec.vocab_size} (leave it unset)"
+            )
+        object.__setattr__(self, "vocab_size", dec.vocab_size)
+        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int):
+            raise ValueError(
+                f"LocalTrainerConfig.max_seq_len must be an int, got {self.max_seq_len!r}"
+            )
+        if self.max_seq_len < 1:
+            raise ValueError(f"LocalTrainerConfig.max_seq_len must be >= 1, got {self.max_seq_len}")
+        if dec.rope.rope_type == "dynamic" and self.max_seq_len > dec.max_position_embeddings:
+            raise ValueError(
+                f"LocalTrainerConfig.max_seq_len={self.max_seq_len} exceeds the decoder's "
+                f"max_position_embeddings={dec.max_position_embeddings}: dynamic RoPE would "
+                "rescale (not implemented)"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"LocalTrainerConfig.seed must be an int, got {self.seed!r}")
+        if self.dtype not in _DECODER_DTYPES:
+            raise ValueError(
+                f"LocalTrainerConfig.dtype must be one of {_DECODER_DTYPES} for a decoder, got "
+                f"{self.dtype!r}"
+            )
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ValueError(
+                f"LocalTrainerConfig.lora must be a runner.local.models.LoraConfig, got "
+                f"{type(self.lora).__name__}"
+            )
+        if not isinstance(self.unroll_layers, bool):
+            raise ValueError(
+                f"LocalTrainerConfig.unroll_layers must be a bool, got {self.unroll_layers!r}"
+            )
+        if self.pretrained is not None and not isinstance(self.pretrained, str | Path):
+            raise ValueError(
+                f"LocalTrainerConfig.pretrained must be a path, got {self.pretrained!r}"
+            )
+        if self.pretrained is not None:
+            object.__setattr__(self, "pretrained", str(self.pretrained))
+        chunk = self.logprob_chunk
+        if chunk is not None and (
+            isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0
+        ):
+            raise ValueError(f"LocalTrainerConfig.logprob_chunk must be an int >= 0, got {chunk!r}")
+        if not (isinstance(self.init_std, int | float) and self.init_std > 0):
+            raise ValueError(f"LocalTrainerConfig.init_std must be > 0, got {self.init_std!r}")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **fields: Any) -> LocalTrainerConfig:
+        """The config of a Hugging Face checkpoint directory (reads ``config.json`` only; the
+        trainer built from it loads the weights).
+
+        Args:
+          path: the checkpoint directory.
+          **fields: other fields (``lora``, ``dtype``, ``max_seq_len`` — default
+            ``min(max_position_embeddings, 4096)`` —, ``checkpoint_dir``, ...).
+
+        Raises:
+          FileNotFoundError, ValueError: naming the file and key (`runner.local.models`).
+        """
+        from runner.local.models import read_config
+
+        decoder, _ = read_config(path)
+        fields.setdefault("max_seq_len", min(decoder.max_position_embeddings, 4096))
+        return cls(decoder=decoder, pretrained=str(path), **fields)
+
+    @property
+    def chunk(self) -> int:
+        """Tokens per logprob chunk in effect (0 = materialized)."""
+        if self.decoder is None:
+            return 0
+        return DEFAULT_LOGPROB_CHUNK if self.logprob_chunk is None else self.logprob_chunk
 
     @property
     def head_dim(self) -> int:

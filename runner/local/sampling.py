@@ -2,9 +2,9 @@
 
 One jitted call per (rows, prompt-bucket, cache-bucket, stop-bucket) shape: prefill every prompt
 once (a causal forward that also returns each layer's keys/values), then a `jax.lax.while_loop`
-of single-token `model.decode_step` calls over the cache, one token per row per step, stopping
-early when every row is done. ``max_tokens`` and ``temperature`` are traced scalars, so changing
-them does not recompile.
+of single-token ``decode_step`` calls of the model (`runner.local.models._arch`) over the
+cache, one token per row per step, stopping early when every row is done. ``max_tokens`` and
+``temperature`` are traced scalars, so changing them does not recompile.
 
 Randomness: row ``r`` (prompt ``p``, sample ``j``) draws step ``i`` from
 ``fold_in(fold_in(fold_in(PRNGKey(seed), p), j), i)``, so a row's completion depends only on the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from runner.local import model
+from runner.local.models import Gpt2Arch
 
 
 def generate(
@@ -38,7 +38,9 @@ def generate(
     key: jax.Array,
     *,
     cache_len: int,
-    n_heads: int,
+    n_heads: int | None = None,
+    arch=None,
+    frozen=None,
 ):
     """Samples up to ``max_tokens`` tokens per row; returns ``(tokens, logprobs, n, stopped)``.
 
@@ -54,15 +56,20 @@ def generate(
       temperature: float scalar ≥ 0 (0 = greedy).
       key: PRNG key from the seed.
       cache_len: static KV-cache length ``≥ max(prompt_lens) + max_tokens - 1``.
-      n_heads: attention heads.
+      n_heads: attention heads of the GPT-2-style default model (when ``arch`` is ``None``).
+      arch: the model (`runner.local.models.Gpt2Arch` or ``DecoderArch``); its ``prefill`` and
+        ``decode_step`` run the model.
+      frozen: the model's frozen parameters (the LoRA base; ``{}`` or ``None`` otherwise).
 
     Returns:
       ``tokens[R, cache_len]`` int, ``logprobs[R, cache_len]`` float (column ``i`` = step ``i``),
       ``n[R]`` number of generated tokens, ``stopped[R]`` bool (ended on a stop token).
     """
     R, P = prompts_RP.shape
-    logits_all, ks, vs = model.logits_and_kv(params, prompts_RP, n_heads=n_heads)
-    last = jnp.take_along_axis(logits_all, (prompt_lens_R - 1)[:, None, None], axis=1)[:, 0, :]
+    if arch is None:
+        arch = Gpt2Arch(n_heads)
+    frozen = {} if frozen is None else frozen
+    last, ks, vs = arch.prefill(params, frozen, prompts_RP, prompt_lens_R)
     pad = [(0, 0), (0, 0), (0, cache_len - P), (0, 0), (0, 0)]
     k_cache, v_cache = jnp.pad(ks, pad), jnp.pad(vs, pad)
     row_keys = jax.vmap(lambda p, j: jax.random.fold_in(jax.random.fold_in(key, p), j))(
@@ -112,7 +119,7 @@ def generate(
         done = done | hit
         # Feed the new token at `pos`. After a row's last step the result is never used (its
         # position may then be past the cache, a no-op write).
-        logits_RV, kc, vc = model.decode_step(params, tok, pos, kc, vc, n_heads=n_heads)
+        logits_RV, kc, vc = arch.decode_step(params, frozen, tok, pos, kc, vc)
         pos = jnp.where(done, pos, pos + 1)
         return (i + 1, logits_RV, kc, vc, pos, done, stopped, n, toks, lps)
 

@@ -52,7 +52,10 @@ from runner._types import (
     validate_seqs,
 )
 from runner.local import checkpoint, kernels, model, sampling
+from runner.local import models as decoders
 from runner.local.model import LocalTrainerConfig, Params
+from runner.local.models import DecoderArch, Gpt2Arch
+from runner.local.models import _trainer_io as hf_io
 
 MIN_LEN_BUCKET = 16
 _ARCH_FIELDS = (
@@ -94,24 +97,33 @@ def _make_optimizer(dtype: Any) -> optax.GradientTransformation:
     )
 
 
+def make_arch(cfg: LocalTrainerConfig) -> Gpt2Arch | DecoderArch:
+    """The model family object of a config (`runner.local.models._arch`): the jit cache key."""
+    if cfg.decoder is None:
+        return Gpt2Arch(cfg.n_heads)
+    scale = None if cfg.lora is None else cfg.lora.scale
+    return DecoderArch(cfg.decoder, cfg.chunk, scale, cfg.unroll_layers)
+
+
 @functools.cache
-def _forward_jit(n_heads: int, rows: NamedSharding):
-    def forward(params, tokens, lengths):
+def _forward_jit(arch: Gpt2Arch | DecoderArch, rows: NamedSharding):
+    def forward(params, frozen, tokens, lengths):
         TRACE_COUNTS["forward"] += 1
-        return model.token_logprobs(params, tokens, lengths, n_heads=n_heads)
+        return arch.token_logprobs(params, frozen, tokens, lengths)
 
     return jax.jit(forward, out_shardings=rows)
 
 
 @functools.cache
-def _model_vjp_jit(n_heads: int):
+def _model_vjp_jit(arch: Gpt2Arch | DecoderArch):
     """Model forward returning ``(logprobs, pullback)``; the pullback (a `jax.vjp` function) is a
     pytree of residuals, so the backward runs in a separate jitted call (`_backward_jit`) and the
-    model compiles once per bucket for every kernel."""
+    model compiles once per bucket for every kernel. The gradient is taken with respect to the
+    trainable ``params`` only (``frozen``: the LoRA base)."""
 
-    def forward(params, tokens, lengths):
+    def forward(params, frozen, tokens, lengths):
         TRACE_COUNTS["forward_backward"] += 1
-        return jax.vjp(lambda p: model.token_logprobs(p, tokens, lengths, n_heads=n_heads), params)
+        return jax.vjp(lambda p: arch.token_logprobs(p, frozen, tokens, lengths), params)
 
     return jax.jit(forward)
 
@@ -164,10 +176,10 @@ def _optim_step_jit(dtype_name: str, rep: NamedSharding):
 
 
 @functools.cache
-def _sample_jit(cache_len: int, n_heads: int, rows: NamedSharding):
-    def sample(*args):
+def _sample_jit(cache_len: int, arch: Gpt2Arch | DecoderArch, rows: NamedSharding):
+    def sample(params, frozen, *args):
         TRACE_COUNTS["sample"] += 1
-        return sampling.generate(*args, cache_len=cache_len, n_heads=n_heads)
+        return sampling.generate(params, *args, cache_len=cache_len, arch=arch, frozen=frozen)
 
     return jax.jit(sample, out_shardings=rows)
 
@@ -183,13 +195,22 @@ def _init_jit(dtype_name: str, rep: NamedSharding):
 class LocalTrainer:
     """Embedded decoder-only transformer trainer implementing the `runner.Trainer` protocol.
 
+    The model is the GPT-2-style default, or a Llama / Qwen2 / Qwen3 decoder
+    (``config.decoder``; `from_pretrained` reads one from a Hugging Face checkpoint), trained in
+    full or through LoRA adapters (``config.lora``: the decoder's weights are frozen, the
+    optimizer state covers the adapters only).
+
     Args:
       config: a `LocalTrainerConfig` (default: the character-level default config).
+      weights: a decoder's initial weights (the layout of `runner.local.models.init_params`,
+        numpy or jax arrays) instead of a random initialization; decoders only.
       **overrides: fields replacing those of ``config``.
 
     Attributes:
       config: the `LocalTrainerConfig`.
-      params: the current parameter pytree (replicated over the mesh).
+      arch: the model family object (`runner.local.models.Gpt2Arch` / ``DecoderArch``).
+      params: the current trainable parameter pytree (replicated over the mesh): every weight,
+        or with LoRA the adapters ``{proj: {"lora_A", "lora_B"}}``.
       step: optimizer steps taken (restored by ``load_state(with_optimizer=True)``).
       counters: ``{"forward", "backward", "optim_step", "sample"}`` pass counts
         (``forward_backward`` counts one forward and one backward).
@@ -202,7 +223,13 @@ class LocalTrainer:
     #: Builtin kernels this trainer runs (the step planner reads this).
     builtin_losses = kernels.SUPPORTED
 
-    def __init__(self, config: LocalTrainerConfig | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        config: LocalTrainerConfig | None = None,
+        *,
+        weights: Params | None = None,
+        **overrides: Any,
+    ) -> None:
         cfg = config if config is not None else LocalTrainerConfig()
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
@@ -212,12 +239,18 @@ class LocalTrainer:
                 "(jax.config.update('jax_enable_x64', True) before creating the trainer)"
             )
         self.config = cfg
+        self.arch = make_arch(cfg)
         self._dtype = cfg.jnp_dtype
+        #: dtype of logprobs, kernel inputs and optimizer hyperparameters (float32 for bf16).
+        self._lp_dtype = np.dtype("float32" if cfg.dtype == "bfloat16" else cfg.dtype)
         self.mesh = Mesh(np.asarray(jax.devices()), ("data",))
         self._rep = NamedSharding(self.mesh, P())
         self._rows = NamedSharding(self.mesh, P("data"))
-        self._params = jax.device_put(model.init_params(cfg), self._rep)
-        init_fn, self._zeros_fn = _init_jit(cfg.dtype, self._rep)
+        trainable, frozen, self._source = hf_io.initial_params(cfg, weights, self._lp_dtype)
+        self._frozen = jax.device_put(frozen, self._rep)
+        self._params = jax.device_put(trainable, self._rep)
+        self._base_digest: str | None = None
+        init_fn, self._zeros_fn = _init_jit(self._lp_dtype.name, self._rep)
         self._opt_state = init_fn(self._params)
         self.step = 0
         self.counters = {"forward": 0, "backward": 0, "optim_step": 0, "sample": 0}
@@ -234,22 +267,28 @@ class LocalTrainer:
         return self._params
 
     @property
+    def base_params(self) -> Params:
+        """The frozen parameters: a LoRA trainer's base weights (``{}`` without LoRA)."""
+        return self._frozen
+
+    @property
     def num_devices(self) -> int:
         return int(self.mesh.devices.size)
 
     def token_logprobs(self, params: Params, tokens_BT: Any, lengths_B: Any) -> jax.Array:
         """Pure, differentiable target logprobs ``[B, T-1]`` (0 on padding); see
-        `runner.local.model.token_logprobs`.
+        `runner.local.model.token_logprobs` and `runner.local.models.token_logprobs`.
 
         Args:
-          params: a parameter pytree (e.g. ``trainer.params``).
+          params: a trainable-parameter pytree (e.g. ``trainer.params``; the LoRA adapters of a
+            LoRA trainer, whose frozen base is used as it is).
           tokens_BT: int full sequences, right-padded to ``T`` columns.
           lengths_B: int number of real tokens per row.
 
         Returns:
           float[B, T-1] target logprobs.
         """
-        return model.token_logprobs(params, tokens_BT, lengths_B, n_heads=self.config.n_heads)
+        return self.arch.token_logprobs(params, self._frozen, tokens_BT, lengths_B)
 
     def set_params(self, params: Params) -> None:
         """Replaces the parameters (same structure, shapes and dtype); drops pending gradients.
@@ -340,16 +379,17 @@ class LocalTrainer:
     # -- forward ----------------------------------------------------------------------------
 
     def forward(self, seqs: Sequence[Seq]) -> list[np.ndarray]:
-        """Per-target logprobs of each sequence (float[N-1], the model dtype) at the current weights.
+        """Per-target logprobs of each sequence (float[N-1]: the model dtype, float32 for a bfloat16
+        model) at the current weights.
 
         Inputs attached to the sequences are validated but otherwise ignored. The arrays are
         read-only views of one padded buffer (`runner._padding.RaggedArrays`).
         """
         self._validate(seqs)
         tokens, lengths, _, _ = self._pad(seqs)
-        fn = _forward_jit(self.config.n_heads, self._rows)
-        lp = fn(self._params, self._put_rows(tokens), self._put_rows(lengths))
-        lp = np.asarray(jax.device_get(lp), self.config.dtype)
+        fn = _forward_jit(self.arch, self._rows)
+        lp = fn(self._params, self._frozen, self._put_rows(tokens), self._put_rows(lengths))
+        lp = np.asarray(jax.device_get(lp), self._lp_dtype)
         self.counters["forward"] += 1
         return RaggedArrays(lp, [s.num_targets for s in seqs])
 
@@ -384,10 +424,10 @@ class LocalTrainer:
         if not self._validate(seqs, required=kernel.inputs):
             kernels.check_inputs(kernel, seqs)
         tokens, lengths, rows, width = self._pad(seqs)
-        fields = kernels.build_batch(kernel, seqs, rows, width, self._dtype)
+        fields = kernels.build_batch(kernel, seqs, rows, width, self._lp_dtype)
         batch = losses.Batch(**{k: self._put_rows(v) for k, v in fields.items()})
-        lp, pullback = _model_vjp_jit(self.config.n_heads)(
-            self._params, self._put_rows(tokens), self._put_rows(lengths)
+        lp, pullback = _model_vjp_jit(self.arch)(
+            self._params, self._frozen, self._put_rows(tokens), self._put_rows(lengths)
         )
         loss, metrics, g_lp, nz_B = _kernel_jit(kernel.name, frozen, self._rep)(lp, batch)
         acc = self._grads if self._grads is not None else self._zeros_fn(self._params)
@@ -403,7 +443,7 @@ class LocalTrainer:
         out["num_nonzero_grad_tokens:sum"] = float(n_tok)
         out["num_nonzero_grad_sequences:sum"] = float(n_seq)
         out["num_sequences:sum"] = float(len(seqs))
-        lp = np.asarray(jax.device_get(lp), self.config.dtype)
+        lp = np.asarray(jax.device_get(lp), self._lp_dtype)
         return ForwardBackwardResult(
             logprobs=RaggedArrays(lp, [s.num_targets for s in seqs]), metrics=out
         )
@@ -448,8 +488,8 @@ class LocalTrainer:
             )
         counts = {"num_loss_tokens": self._num_loss_tokens, "num_sequences": self._num_sequences}
         denom = 1 if mode == "none" else max(counts[mode], 1)
-        s = functools.partial(np.asarray, dtype=self._dtype)
-        step_fn = _optim_step_jit(self.config.dtype, self._rep)
+        s = functools.partial(np.asarray, dtype=self._lp_dtype)
+        step_fn = _optim_step_jit(self._lp_dtype.name, self._rep)
         self._params, self._opt_state, norm = step_fn(
             self._params,
             self._opt_state,
@@ -485,6 +525,7 @@ class LocalTrainer:
         temperature: float = 1.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
+        prompt_indices: Sequence[int] | None = None,
     ) -> list[list[Sample]]:
         """``num_samples`` completions per prompt, batched, with a KV cache.
 
@@ -503,6 +544,10 @@ class LocalTrainer:
           temperature: sampling temperature ≥ 0.
           seed: PRNG seed.
           stop_token_ids: token ids that end a completion.
+          prompt_indices: the random-stream index of each prompt (default: its position
+            ``0..len(prompts)-1``). A caller that receives the prompts of one call separately
+            (the local server, one request per prompt) passes their positions in that call to
+            reproduce its completions.
 
         Returns:
           ``result[p][j]``: the ``j``-th `runner.Sample` of prompt ``p``.
@@ -519,6 +564,15 @@ class LocalTrainer:
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"sample: temperature must be finite and >= 0, got {temperature!r}")
         stops = [int(_check_int("stop_token_ids entry", t, 0)) for t in stop_token_ids]
+        if prompt_indices is None:
+            indices = list(range(len(arrays)))
+        else:
+            indices = [_check_int("prompt_indices entry", i, 0) for i in prompt_indices]
+            if len(indices) != len(arrays) or max(indices) >= 2**31:
+                raise ValueError(
+                    f"sample: prompt_indices must give one index < 2**31 per prompt, got "
+                    f"{len(indices)} for {len(arrays)} prompts"
+                )
         bad = [t for t in stops if t >= cfg.vocab_size]
         if bad:
             raise ValueError(f"sample: stop token {bad[0]} is outside the vocabulary")
@@ -541,16 +595,17 @@ class LocalTrainer:
             for j in range(num_samples):
                 r = p * num_samples + j
                 toks[r, : a.shape[0]] = a
-                lens[r], p_idx[r], s_idx[r], active[r] = a.shape[0], p, j, True
+                lens[r], p_idx[r], s_idx[r], active[r] = a.shape[0], indices[p], j, True
         n_stop = 4
         while n_stop < len(stops):
             n_stop *= 2
         stop_arr = np.full((n_stop,), -1, np.int32)
         stop_arr[: len(stops)] = stops
-        fn = _sample_jit(cache_len, cfg.n_heads, self._rows)
+        fn = _sample_jit(cache_len, self.arch, self._rows)
         put = self._put_rows
         out_tok, out_lp, n_gen, stopped = fn(
             self._params,
+            self._frozen,
             put(toks),
             put(lens),
             put(p_idx),
@@ -558,7 +613,7 @@ class LocalTrainer:
             put(active),
             jax.device_put(stop_arr, self._rep),
             np.asarray(max_tokens, np.int32),
-            np.asarray(temperature, self._dtype),
+            np.asarray(temperature, self._lp_dtype),
             jax.random.PRNGKey(seed),
         )
         out_tok, out_lp, n_gen, stopped = jax.device_get((out_tok, out_lp, n_gen, stopped))
@@ -620,7 +675,11 @@ class LocalTrainer:
         return Path(self.config.checkpoint_dir)
 
     def _arch(self) -> dict[str, Any]:
-        return {k: getattr(self.config, k) for k in _ARCH_FIELDS}
+        if self.config.decoder is None:
+            return {k: getattr(self.config, k) for k in _ARCH_FIELDS}
+        if self.config.lora is not None and self._base_digest is None:
+            self._base_digest = hf_io.base_digest(self._frozen)
+        return hf_io.arch_meta(self.config, self._base_digest)
 
     def _check_arch(self, saved: Mapping[str, Any], where: str) -> None:
         mine = self._arch()
@@ -702,7 +761,11 @@ class LocalTrainer:
         return checkpoint.list_states(root)
 
     def sampler_tensors(self) -> dict[str, np.ndarray]:
-        """Inference weights as flat per-layer names (``layers.{i}.wqkv``, ``embed``, ...)."""
+        """Inference weights as flat per-layer names (``layers.{i}.wqkv``, ``embed``, ...; a
+        decoder's are its Hugging Face tensor names, with LoRA adapters merged)."""
+        if self.config.decoder is not None:
+            full = hf_io.full_weights(self.config, self._params, self._frozen)
+            return decoders.to_hf_tensors(self.config.decoder, full)
         out: dict[str, np.ndarray] = {}
         for key, value in jax.device_get(self._params).items():
             if key == "blocks":
@@ -716,23 +779,38 @@ class LocalTrainer:
     def save_weights_for_sampler(self, name: str) -> str:
         """Atomically writes promotable inference weights (safetensors, no optimizer state).
 
+        The GPT-2-style default writes ``sampler/<name>.safetensors``; a decoder writes the
+        Hugging Face formats under ``sampler/<name>/`` — a transformers checkpoint directory, or
+        with LoRA a PEFT adapter directory (`runner.local.models._trainer_io`).
+
         Returns:
           The ``.safetensors`` path (for `load_weights`).
         """
         meta = {"model": self._arch(), "step": self.step}
+        if self.config.decoder is not None:
+            return hf_io.save_sampler(
+                self._root(), name, self.config, self._params, meta, source=self._source
+            )
         return checkpoint.save_weights(self._root(), name, self.sampler_tensors(), meta)
 
     def load_weights(self, path: str) -> None:
         """Loads `save_weights_for_sampler` weights (a path, or a name under ``checkpoint_dir``).
 
         Only the parameters change (the optimizer state is kept); the accumulated gradient is
-        dropped.
+        dropped. A decoder also loads a transformers checkpoint directory of its architecture
+        (full fine-tuning) or a PEFT adapter directory of its LoRA shape.
 
         Raises:
           FileNotFoundError: no such file.
           ValueError: names, shapes or model config differ.
         """
         root = Path(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+        if self.config.decoder is not None:
+            where = hf_io.resolve_sampler(root, path)
+            params = hf_io.load_sampler(where, self.config, self._arch(), self._lp_dtype)
+            self._params = jax.device_put(params, self._rep)
+            self.reset_grads()
+            return
         tensors, meta = checkpoint.load_weights(checkpoint.resolve_weights(root, path))
         self._check_arch(meta.get("model", {}), f"load_weights({path!r})")
         expected = {k: v.shape for k, v in self.sampler_tensors().items()}
@@ -756,6 +834,111 @@ class LocalTrainer:
         params = jax.tree.map(lambda x: np.asarray(x, self._dtype), params)
         self._params = jax.device_put(params, self._rep)
         self.reset_grads()
+
+    # -- Hugging Face checkpoints -----------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str = "float32",
+        max_seq_len: int | None = None,
+        checkpoint_dir: str | None = None,
+        seed: int = 0,
+        lora: decoders.LoraConfig | None = None,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+        lora_targets: Sequence[str] | str = "all-linear",
+        adapter: str | Path | None = None,
+        logprob_chunk: int | None = None,
+    ) -> LocalTrainer:
+        """A trainer of the Llama / Qwen2 / Qwen3 checkpoint in a local directory (offline).
+
+        Reads ``config.json`` and ``model.safetensors`` (or a sharded index); see
+        `runner.local.models.load_pretrained` for what is checked. Never downloads anything.
+
+        Args:
+          path: the checkpoint directory.
+          dtype: weights and activations: ``float32`` (default, whatever the stored dtype),
+            ``bfloat16`` or ``float64`` (needs x64).
+          max_seq_len: longest model input (default ``min(max_position_embeddings, 4096)``).
+          checkpoint_dir: where `save_state` / `save_weights_for_sampler` write.
+          seed: LoRA initialization seed (and nothing else: the weights are the checkpoint's).
+          lora: a `runner.local.models.LoraConfig`; or give ``lora_rank`` (with optional
+            ``lora_alpha`` — default the rank — and ``lora_targets``, default ``"all-linear"``).
+          adapter: a PEFT adapter directory to start the LoRA adapters from (its rank, alpha
+            and targets are used when ``lora``/``lora_rank`` are not given).
+          logprob_chunk: tokens per logprob chunk (0 = materialized; ``None`` = default).
+
+        Raises:
+          FileNotFoundError, ValueError: naming the file, tensor or config key.
+        """
+        if lora is not None and lora_rank is not None:
+            raise ValueError("from_pretrained: give lora or lora_rank, not both")
+        if lora_rank is not None:
+            lora = decoders.LoraConfig(
+                rank=lora_rank, alpha=lora_alpha, targets=lora_targets, seed=seed
+            )
+        elif lora_alpha is not None:
+            raise ValueError("from_pretrained: lora_alpha needs lora_rank")
+        if dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(
+                f"from_pretrained: dtype must be float32, bfloat16 or float64, got {dtype!r}"
+            )
+        if adapter is not None and lora is None:
+            lora = decoders.read_adapter_config(Path(adapter) / decoders.ADAPTER_CONFIG)
+        fields: dict[str, Any] = {} if max_seq_len is None else {"max_seq_len": max_seq_len}
+        cfg = LocalTrainerConfig.from_pretrained(
+            path,
+            lora=lora,
+            dtype=dtype,
+            seed=seed,
+            checkpoint_dir=checkpoint_dir,
+            logprob_chunk=logprob_chunk,
+            **fields,
+        )
+        trainer = cls(cfg)
+        if adapter is not None:
+            trainer.load_weights(str(adapter))
+        return trainer
+
+    def save_pretrained(self, directory: str | Path, *, max_shard_bytes: int | None = None) -> str:
+        """Writes the decoder as a transformers checkpoint directory (LoRA adapters merged:
+        ``W + s·B A``), loadable by ``AutoModelForCausalLM.from_pretrained``; returns its path.
+
+        Args:
+          directory: replaced atomically if it exists.
+          max_shard_bytes: shard the weights above this size (``None``: one file).
+        """
+        if self.config.decoder is None:
+            raise ValueError(
+                "save_pretrained: the GPT-2-style default model has no Hugging Face format; use "
+                "save_weights_for_sampler"
+            )
+        full = hf_io.full_weights(self.config, self._params, self._frozen)
+        out = decoders.save_pretrained(
+            directory,
+            self.config.decoder,
+            full,
+            max_shard_bytes=max_shard_bytes,
+            extra_config=self._source.get("config"),
+        )
+        return str(out)
+
+    def save_adapter(self, directory: str | Path) -> str:
+        """Writes the LoRA adapters as a PEFT adapter directory (``adapter_config.json`` +
+        ``adapter_model.safetensors``, loadable by ``peft.PeftModel.from_pretrained``)."""
+        if self.config.lora is None:
+            raise ValueError("save_adapter: this trainer has no LoRA adapters")
+        out = decoders.save_peft(
+            directory,
+            self.config.decoder,
+            self.config.lora,
+            jax.device_get(self._params),
+            base_model=str(self._source.get("path", "")),
+        )
+        return str(out)
 
 
 def _check_int(name: str, value: Any, low: int | None) -> int:

@@ -1,0 +1,648 @@
+"""The server's compute: served base models, training models on `LocalTrainer`, their
+checkpoints on disk, sampling sessions and the sampling batcher (flavour-independent).
+
+Every method here that touches JAX or the disk is blocking: flavours call them through
+`runner.serve._core.Server.run_blocking` (ordered training work through a model's
+`OrderedQueue`).
+
+**Base models** (`BaseModel`): a name served by the server and the `LocalTrainerConfig` it
+builds (the ``[model]`` section of a main-job config, the character tokenizer's vocabulary, the
+config's ``[run].seed`` as the initialization seed). **Training models** (`TrainingModel`): one
+`LocalTrainer` each, trained with full weights whatever LoRA rank was asked for (the local
+trainer has no LoRA yet; `TrainingModel.is_lora` is False and the flavours report it).
+
+**Checkpoints** live under ``<state_dir>/runs/<model_id>/``: ``run.json`` (the base model) and
+the trainer's own layout (``trainer/state/<name>``, ``trainer/sampler/<name>.safetensors``,
+`runner.local.checkpoint`), so a restarted server loads a checkpoint saved before the restart.
+A `CheckpointRef` names one ``(model_id, kind, name)``; flavours format it (``tinker://...``).
+
+**Sampling**: a sampling session (`SamplerEntry`) is a frozen copy of some weights. Requests
+arrive one prompt at a time; `SampleBatcher` coalesces those that arrive together with the same
+parameters into one `LocalTrainer.sample` call, each prompt at its random-stream index
+(`decode_seed`), so the runner's one ``sample`` call over N prompts (N requests) reproduces the
+local backend's single call exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runner._atomic import atomic_write_json, make_dirs
+from runner._kernels import KERNELS, check_kernel_inputs, resolve_config
+from runner._types import NORMALIZATIONS, AdamParams, Sample, Seq, validate_seqs
+from runner.serve._core import ServeError, user_error
+from runner.tinker._seeds import decode_prompt_seed
+
+log = logging.getLogger("runner.serve")
+
+#: Model ids the server hands out: ``<session_id>:train:<model_seq_id>`` (the id the tinker
+#: SDK derives itself on create-via-load, reference §1.6).
+MODEL_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}:train:\d{1,9}$")
+CHECKPOINT_KINDS = ("state", "sampler")
+
+
+def decode_seed(seed: int | None) -> tuple[int, int]:
+    """``(base seed, prompt index)`` of a wire sampling seed (None: a fresh random base).
+
+    A seed ``s`` samples its prompt with the local trainer's random stream of prompt
+    ``s % 2^20`` of a call seeded ``s // 2^20`` (`runner.tinker._seeds.prompt_seed`): the
+    runner's per-prompt seeds reproduce its local backend's single call exactly.
+    """
+    if seed is None:
+        return secrets.randbits(32), 0
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise user_error(f"sampling_params.seed must be a non-negative integer, got {seed!r}")
+    base, index = decode_prompt_seed(seed)
+    if base >= 2**32:
+        raise user_error(f"sampling_params.seed {seed} is too large (at most {2**52 - 1})")
+    return base, index
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseModel:
+    """A served base model: its name, the trainer config it builds, where it came from."""
+
+    name: str
+    config: Any  # LocalTrainerConfig
+    source: str = ""
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.config.max_seq_len)
+
+
+def base_model_from_config(name: str, path: str | Path) -> BaseModel:
+    """A main-job TOML config's local model as a base model.
+
+    The trainer config is the one ``--backend local`` builds from that file (`runner.train
+    .make_trainer`: its ``[model]``, its tokenizer's vocabulary, ``[run].seed`` as the
+    initialization seed), so a served model starts where a local run of the config starts.
+    """
+    import tempfile
+
+    from runner.config import load_config
+    from runner.train import make_trainer
+
+    if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
+        raise ValueError(f"served model name must be non-empty without spaces, got {name!r}")
+    cfg = load_config(path, ["run.backend='local'"])
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = make_trainer(cfg, Path(tmp))
+    config = dataclasses.replace(trainer.config, checkpoint_dir=None)
+    return BaseModel(name=name, config=config, source=str(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef:
+    """One saved checkpoint: the model that saved it, ``"state"`` or ``"sampler"``, its name."""
+
+    model_id: str
+    kind: str
+    name: str
+
+
+@dataclasses.dataclass
+class TrainingModel:
+    """One training model: a `LocalTrainer` and what the flavours report about it."""
+
+    model_id: str
+    base: BaseModel
+    trainer: Any  # LocalTrainer
+    lora_rank: int | None = None
+    flavour: str = ""
+    is_lora: bool = False  # full-weight training whatever rank was asked for
+
+
+@dataclasses.dataclass
+class SamplerEntry:
+    """A sampling session: frozen weights of one base model."""
+
+    sampler_id: str
+    base: BaseModel
+    params: Any
+    model_path: str | None = None
+
+
+def _frozen(config: Mapping[str, Any]) -> tuple:
+    return tuple(sorted(config.items()))
+
+
+class Engine:
+    """Base models, training models and samplers over `LocalTrainer` (blocking methods).
+
+    Args:
+      base_models: the served base models, by name.
+      state_dir: the checkpoint root (``runs/<model_id>/...``).
+    """
+
+    def __init__(self, base_models: Mapping[str, BaseModel], state_dir: str | Path) -> None:
+        if not base_models:
+            raise ValueError("the server needs at least one base model")
+        self.base_models = dict(base_models)
+        self.state_dir = Path(state_dir)
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, SamplerEntry] = {}
+        self._engines: dict[str, Any] = {}
+        self._engine_params: dict[str, Any] = {}
+        self._initial_params: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._value_fns: dict[tuple, Any] = {}
+
+    # -- base models --------------------------------------------------------------------------
+
+    def base(self, name: Any) -> BaseModel:
+        base = self.base_models.get(name) if isinstance(name, str) else None
+        if base is None:
+            raise user_error(
+                f"unknown base model {name!r}; this server serves {sorted(self.base_models)}"
+            )
+        return base
+
+    # -- training models ----------------------------------------------------------------------
+
+    def run_dir(self, model_id: str) -> Path:
+        if not isinstance(model_id, str) or not MODEL_ID_RE.match(model_id):
+            raise user_error(f"malformed model id {model_id!r}")
+        return self.state_dir / "runs" / model_id
+
+    def model(self, model_id: Any) -> TrainingModel:
+        model = self.models.get(model_id) if isinstance(model_id, str) else None
+        if model is None:
+            raise user_error(f"unknown model_id {model_id!r} (not loaded on this server)", 404)
+        return model
+
+    def create_model(
+        self,
+        model_id: str,
+        base_name: str,
+        *,
+        seed: int | None = None,
+        lora_rank: int | None = None,
+        flavour: str = "",
+    ) -> TrainingModel:
+        """A new training model from a base model's initialization (``seed`` overrides it)."""
+        from runner.local import LocalTrainer
+
+        base = self.base(base_name)
+        run_dir = self.run_dir(model_id)
+        config = base.config
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+                raise user_error(f"seed must be an integer in [0, 2**31), got {seed!r}")
+            config = dataclasses.replace(config, seed=int(seed))
+        config = dataclasses.replace(config, checkpoint_dir=str(run_dir / "trainer"))
+        make_dirs(run_dir)
+        atomic_write_json(
+            run_dir / "run.json",
+            {
+                "model_id": model_id,
+                "base_model": base.name,
+                "lora_rank": lora_rank,
+                "created": time.time(),
+            },
+        )
+        model = TrainingModel(model_id, base, LocalTrainer(config), lora_rank, flavour)
+        self.models[model_id] = model
+        return model
+
+    def recorded_base(self, model_id: str) -> str:
+        """The base model a (possibly earlier) server recorded for ``model_id``."""
+        path = self.run_dir(model_id) / "run.json"
+        try:
+            return str(json.loads(path.read_text())["base_model"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise user_error(f"no training run {model_id!r} on this server") from None
+
+    def create_from_checkpoint(
+        self,
+        model_id: str,
+        ref: CheckpointRef,
+        *,
+        optimizer: bool,
+        base_override: str | None = None,
+        flavour: str = "",
+    ) -> TrainingModel:
+        """A new model with a checkpoint's weights (and optimizer state) — create-via-load."""
+        base_name = self.recorded_base(ref.model_id)
+        if base_override and base_override != base_name:
+            raise user_error(
+                f"base_model {base_override!r} differs from the checkpoint's base model "
+                f"{base_name!r}"
+            )
+        lora = json.loads((self.run_dir(ref.model_id) / "run.json").read_text()).get("lora_rank")
+        model = self.create_model(model_id, base_name, lora_rank=lora, flavour=flavour)
+        try:
+            self.load(model, ref, optimizer=optimizer)
+        except BaseException:
+            self.models.pop(model_id, None)
+            raise
+        return model
+
+    def unload(self, model_id: str) -> None:
+        self.models.pop(model_id, None)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _state_path(self, ref: CheckpointRef) -> Path:
+        from runner.local import checkpoint
+
+        checkpoint.check_name(ref.name)
+        root = self.run_dir(ref.model_id) / "trainer"
+        if ref.kind == "state":
+            return root / "state" / ref.name
+        return root / "sampler" / f"{ref.name}.safetensors"
+
+    def exists(self, ref: CheckpointRef) -> bool:
+        from runner.local import checkpoint
+
+        path = self._state_path(ref)
+        if ref.kind == "sampler":
+            return path.is_file()
+        return ref.name in checkpoint.list_states(path.parent.parent)
+
+    def save(self, model: TrainingModel, kind: str, name: str, *, overwrite: bool = True):
+        """Saves resumable state or sampler weights under ``name``; returns its ref."""
+        from runner.local import checkpoint
+
+        try:
+            checkpoint.check_name(name)
+        except ValueError as exc:
+            raise user_error(str(exc)) from None
+        ref = CheckpointRef(model.model_id, kind, name)
+        if not overwrite and self.exists(ref):
+            raise user_error(f"checkpoint {kind} {name!r} of {model.model_id} already exists")
+        if kind == "state":
+            model.trainer.save_state(name)
+        else:
+            model.trainer.save_weights_for_sampler(name)
+        return ref
+
+    def load(self, model: TrainingModel, ref: CheckpointRef, *, optimizer: bool) -> None:
+        """Loads a checkpoint into a model (sampler weights: weights only)."""
+        path = self._state_path(ref)
+        if ref.kind == "sampler":
+            if optimizer:
+                raise user_error(
+                    "sampler weights hold no optimizer state: load with optimizer=false"
+                )
+            if not path.is_file():
+                raise user_error(f"no sampler weights {ref.name!r} for {ref.model_id}")
+            model.trainer.load_weights(str(path))
+            return
+        try:
+            model.trainer.load_state(str(path), with_optimizer=optimizer)
+        except FileNotFoundError:
+            raise user_error(f"no saved state {ref.name!r} for {ref.model_id}") from None
+
+    def params_of(self, ref: CheckpointRef) -> tuple[BaseModel, Any]:
+        """A checkpoint's base model and weights (for a sampling session)."""
+        from runner.local import LocalTrainer
+
+        base = self.base(self.recorded_base(ref.model_id))
+        scratch = LocalTrainer(base.config)
+        probe = TrainingModel(ref.model_id, base, scratch)
+        self.load(probe, ref, optimizer=False)
+        return base, scratch.params
+
+    def list_checkpoints(self, model_id: str) -> list[dict[str, Any]]:
+        """``{kind, name, time (UTC datetime), size_bytes}`` of each checkpoint, oldest first."""
+        from runner.local import checkpoint
+
+        root = self.run_dir(model_id) / "trainer"
+        rows = []
+        for name in checkpoint.list_states(root):
+            base = root / "state" / name
+            rows.append(_row("state", name, base / "CURRENT", _tree_size(base)))
+        sampler = root / "sampler"
+        if sampler.is_dir():
+            for path in sorted(sampler.glob("*.safetensors")):
+                if not path.name.startswith("."):
+                    rows.append(_row("sampler", path.name[: -len(".safetensors")], path, None))
+        return sorted(rows, key=lambda r: r["time"])
+
+    # -- training -----------------------------------------------------------------------------
+
+    @staticmethod
+    def check_inputs(base: BaseModel, seqs: Sequence[Seq], loss_fn: str, config: Any) -> dict:
+        """The kernel's full config after every input rule (raises ``ValueError``)."""
+        if loss_fn not in KERNELS:
+            raise ValueError(f"unknown loss_fn {loss_fn!r}; this server runs {tuple(KERNELS)}")
+        full = resolve_config(loss_fn, config)
+        kernel = KERNELS[loss_fn]
+        validate_seqs(
+            seqs,
+            required=kernel.inputs,
+            vocab_size=base.config.vocab_size,
+            max_len=base.config.max_seq_len,
+        )
+        check_kernel_inputs(seqs, kernel.inputs, loss_fn)
+        return full
+
+    def forward_backward(
+        self, model: TrainingModel, seqs: Sequence[Seq], loss_fn: str, config: Any
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
+        result = model.trainer.forward_backward(seqs, loss_fn, config)  # (its own input rules)
+        return list(result.logprobs), dict(result.metrics)
+
+    def forward(
+        self, model: TrainingModel, seqs: Sequence[Seq], loss_fn: str, config: Any
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Logprobs at the current weights and the kernel's ``loss:sum`` (no gradient)."""
+        full = self.check_inputs(model.base, seqs, loss_fn, config)
+        logprobs = list(model.trainer.forward([s.with_inputs() for s in seqs]))
+        return logprobs, {"loss:sum": self._kernel_value(loss_fn, full, seqs, logprobs)}
+
+    def _kernel_value(self, loss_fn, full, seqs, logprobs) -> float:
+        import jax
+
+        import losses
+        from runner.local import kernels
+
+        key = (loss_fn, _frozen(full))
+        fn = self._value_fns.get(key)
+        if fn is None:
+            term = KERNELS[loss_fn].term(full)
+            fn = self._value_fns[key] = jax.jit(lambda lp, b: term.fn(lp, b)[0])
+        from runner._padding import bucket, pad_ragged, row_bucket
+
+        width = bucket(max(s.num_targets for s in seqs))
+        rows = row_bucket(len(seqs), 1, 1)
+        fields = kernels.build_batch(KERNELS[loss_fn], seqs, rows, width, np.float32)
+        lp = pad_ragged(logprobs, width, rows, np.float32)
+        return float(fn(lp, losses.Batch(**fields)))
+
+    @staticmethod
+    def optim_step(
+        model: TrainingModel, adam: AdamParams, normalization: str | None = None
+    ) -> dict[str, float]:
+        if normalization not in (None, *NORMALIZATIONS):
+            raise ValueError(f"unknown normalization {normalization!r}")
+        return model.trainer.optim_step(adam, normalization)
+
+    # -- samplers -----------------------------------------------------------------------------
+
+    def new_sampler(
+        self, sampler_id: str, base: BaseModel, params: Any, model_path: str | None = None
+    ) -> SamplerEntry:
+        entry = SamplerEntry(sampler_id, base, params, model_path)
+        self.samplers[sampler_id] = entry
+        return entry
+
+    def base_params(self, base: BaseModel) -> Any:
+        """A base model's initial weights (its config's seed)."""
+        self._sampling_engine(base)
+        return self._initial_params[base.name]
+
+    def sampler(self, sampler_id: Any) -> SamplerEntry:
+        entry = self.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
+        if entry is None:
+            raise user_error(f"unknown sampling session {sampler_id!r}", 404)
+        return entry
+
+    def _sampling_engine(self, base: BaseModel):
+        with self._lock:
+            engine = self._engines.get(base.name)
+            if engine is None:
+                from runner.local import LocalTrainer
+
+                engine = LocalTrainer(base.config)
+                self._initial_params[base.name] = engine.params
+                self._engines[base.name] = engine
+            return engine
+
+    def run_samples(self, entry: SamplerEntry, jobs: Sequence[SampleJob]) -> list[list[Sample]]:
+        """One `LocalTrainer.sample` call for jobs that share their parameters (`SampleJob.key`)."""
+        engine = self._sampling_engine(entry.base)
+        if self._engine_params.get(entry.base.name) is not entry.params:
+            engine.set_params(entry.params)
+            self._engine_params[entry.base.name] = entry.params
+        first = jobs[0]
+        return engine.sample(
+            [j.prompt for j in jobs],
+            num_samples=first.num_samples,
+            max_tokens=first.max_tokens,
+            temperature=first.temperature,
+            seed=first.base_seed,
+            stop_token_ids=first.stops,
+            prompt_indices=[j.index for j in jobs],
+        )
+
+    def prompt_logprobs(self, entry: SamplerEntry, prompt: np.ndarray) -> np.ndarray:
+        """float32[len(prompt)]: NaN at position 0, then each prompt token's logprob."""
+        out = np.full((prompt.shape[0],), np.nan, np.float32)
+        if prompt.shape[0] >= 2:
+            engine = self._sampling_engine(entry.base)
+            if self._engine_params.get(entry.base.name) is not entry.params:
+                engine.set_params(entry.params)
+                self._engine_params[entry.base.name] = entry.params
+            (lp,) = engine.forward([Seq(prompt.astype(np.int64))])
+            out[1:] = np.asarray(lp, np.float32)
+        return out
+
+    def check_sample(self, entry: SamplerEntry, job: SampleJob) -> None:
+        """One job's own rules, before it is batched with others (raises a user error)."""
+        cfg = entry.base.config
+        p = job.prompt
+        if p.ndim != 1 or p.shape[0] < 1:
+            raise user_error("prompt must hold at least one token")
+        if p.min() < 0 or p.max() >= cfg.vocab_size:
+            raise user_error(f"prompt token outside the vocabulary [0, {cfg.vocab_size})")
+        if p.shape[0] + job.max_tokens - 1 > cfg.max_seq_len:
+            raise user_error(
+                f"prompt length {p.shape[0]} + max_tokens {job.max_tokens} - 1 exceeds the "
+                f"model's max_seq_len={cfg.max_seq_len}"
+            )
+        bad = [t for t in job.stops if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise user_error(f"stop token {bad[0]} is outside the vocabulary")
+        if job.num_samples < 1 or job.max_tokens < 1:
+            raise user_error("num_samples and max_tokens must be >= 1")
+        if not (np.isfinite(job.temperature) and job.temperature >= 0):
+            raise user_error(f"temperature must be finite and >= 0, got {job.temperature}")
+
+    def close(self) -> None:
+        self.models.clear()
+        self.samplers.clear()
+
+
+def _row(kind: str, name: str, stamp: Path, size: int | None) -> dict[str, Any]:
+    try:
+        stat = stamp.stat()
+    except OSError:
+        mtime, nbytes = 0.0, None
+    else:
+        mtime, nbytes = stat.st_mtime, stat.st_size
+    return {
+        "kind": kind,
+        "name": name,
+        "time": datetime.datetime.fromtimestamp(mtime, tz=datetime.UTC),
+        "size_bytes": size if size is not None else nbytes,
+    }
+
+
+def _tree_size(base: Path) -> int | None:
+    try:
+        return sum(p.stat().st_size for p in base.rglob("*") if p.is_file())
+    except OSError:
+        return None
+
+
+# -- sampling batcher ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SampleJob:
+    """One sampling request (one prompt) waiting to be batched.
+
+    ``done(samples, prompt_logprobs)`` or ``failed(error)`` is called on the server's loop
+    (the submitting flavour sets them).
+    """
+
+    sampler_id: str
+    prompt: np.ndarray
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    base_seed: int
+    index: int
+    stops: tuple[int, ...]
+    prompt_logprobs: bool = False
+    done: Callable[[list[Sample], np.ndarray | None], None] = lambda samples, plp: None
+    failed: Callable[[ServeError], None] = lambda error: None
+
+    @property
+    def key(self) -> tuple:
+        """Jobs with the same key run in one `LocalTrainer.sample` call."""
+        return (
+            self.sampler_id,
+            self.base_seed,
+            self.num_samples,
+            self.max_tokens,
+            float(self.temperature),
+            self.stops,
+        )
+
+
+class SampleBatcher:
+    """Coalesces sampling jobs that arrive together into batched `LocalTrainer.sample` calls.
+
+    Jobs with the same `SampleJob.key` form a group, run as one call with its prompts in
+    random-stream-index order (the order of the client's own call). A group is *complete* when
+    its indices are ``0..max`` without a hole: the runner submits a call's last prompt first
+    (`runner.tinker.TinkerTrainer.sample`), so a group becomes complete exactly when its last
+    request arrives, and the batch — shapes included — is the one the local backend samples.
+    Pending groups run once no new job has arrived for ``quiet_s`` and all are complete, or for
+    ``incomplete_quiet_s`` otherwise (a client whose seeds are not a call's indices), and at
+    the latest ``max_wait_s`` after the first job. One sampling call runs at a time.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        run_blocking: Callable[..., Any],
+        *,
+        quiet_s: float = 0.002,
+        incomplete_quiet_s: float = 0.1,
+        max_wait_s: float = 1.0,
+    ) -> None:
+        self.engine = engine
+        self.run_blocking = run_blocking
+        self.quiet_s = quiet_s
+        self.incomplete_quiet_s = incomplete_quiet_s
+        self.max_wait_s = max_wait_s
+        self._pending: list[SampleJob] = []
+        self._last_arrival = 0.0
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.calls = 0  # LocalTrainer.sample calls made (tests read it)
+
+    def submit(self, job: SampleJob) -> None:
+        self._pending.append(job)
+        self._last_arrival = time.monotonic()
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        assert self._wake is not None
+        self._wake.set()
+
+    @staticmethod
+    def _groups(jobs: Sequence[SampleJob]) -> dict[tuple, list[SampleJob]]:
+        groups: dict[tuple, list[SampleJob]] = {}
+        for job in jobs:
+            groups.setdefault(job.key, []).append(job)
+        return groups
+
+    @staticmethod
+    def complete(items: Sequence[SampleJob]) -> bool:
+        """Whether a group's indices are ``0..max`` with no hole."""
+        indices = {j.index for j in items}
+        return len(indices) == max(indices) + 1
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            start = time.monotonic()
+            while True:
+                await asyncio.sleep(self.quiet_s)
+                now = time.monotonic()
+                groups = self._groups(self._pending)
+                done = all(self.complete(items) for items in groups.values())
+                quiet = now - self._last_arrival
+                if (done and quiet >= self.quiet_s) or quiet >= self.incomplete_quiet_s:
+                    break
+                if now - start >= self.max_wait_s:
+                    break
+            log.debug(
+                "batch after %.1f ms: %d jobs, complete=%s, quiet %.1f ms",
+                1e3 * (now - start),
+                len(self._pending),
+                done,
+                1e3 * quiet,
+            )
+            jobs, self._pending = self._pending, []
+            self._wake.clear()
+            for items in self._groups(jobs).values():
+                items.sort(key=lambda j: j.index)
+                await self._run_group(items)
+
+    async def _run_group(self, items: list[SampleJob]) -> None:
+        try:
+            entry = self.engine.sampler(items[0].sampler_id)
+            t0 = time.perf_counter()
+            samples = await self.run_blocking(self.engine.run_samples, entry, items)
+            self.calls += 1
+            log.debug(
+                "sampled %d prompts in one call (%.1f ms)",
+                len(items),
+                1e3 * (time.perf_counter() - t0),
+            )
+            for job, out in zip(items, samples, strict=True):
+                plp = None
+                if job.prompt_logprobs:
+                    plp = await self.run_blocking(self.engine.prompt_logprobs, entry, job.prompt)
+                job.done(out, plp)
+        except ServeError as err:
+            for job in items:
+                job.failed(err)
+        except ValueError as exc:
+            for job in items:
+                job.failed(user_error(str(exc).splitlines()[0]))
+        except Exception as exc:  # noqa: BLE001 - a server bug: fail the jobs, keep serving
+            log.exception("sampling failed")
+            err = ServeError(f"internal error: {type(exc).__name__}", category="server")
+            for job in items:
+                job.failed(err)

@@ -1,0 +1,164 @@
+"""One step of each phase of the main job, and its evaluations.
+
+* `sft_step` — a batch of rendered records through the SFT translation path (collate →
+  translate → the trainer's ``cross_entropy``), loss on assistant tokens, per-token mean;
+* `eval_nll` — the per-token NLL of assistant tokens on ``[sft].eval_data`` (forward only);
+* `rl_step` — the task's problems → ``group_size`` episodes each (`runner.tasks.rollout`) → group
+  advantages → one planned step of the RL loss (`runner.StepRunner`);
+* `evaluate` — mean reward on the task's held-out problems.
+
+Every random choice of step ``k`` is drawn from ``(seed, k)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+import losses
+from runner._step import StepRunner
+from runner._types import AdamParams, Seq, make_seq
+from runner.data import Example, as_sft_examples
+from runner.sft import collate_sft, translate_sft_batch
+from runner.tasks import LoadedTask, episode_to_seq, rollout, rollout_metrics
+
+#: Held-out problems of `evaluate` when the task has no ``eval_problems()``.
+EVAL_PROBLEMS = 64
+
+
+def step_rng(cfg: Any, *key: int) -> np.random.Generator:
+    return np.random.default_rng([cfg.run.seed, *key])
+
+
+def adam(cfg: Any, lr: float) -> AdamParams:
+    o = cfg.optim
+    return AdamParams(
+        learning_rate=lr,
+        beta1=o.beta1,
+        beta2=o.beta2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        grad_clip_norm=o.grad_clip_norm,
+    )
+
+
+def sft_step(cfg: Any, trainer: Any, examples: Sequence[Example], pad_id: int) -> dict[str, float]:
+    """One SFT step on ``examples`` (weights: their assistant masks, normalized over the batch)."""
+    sequences, attention, loss_mask = collate_sft(as_sft_examples(examples), pad_id=pad_id)
+    seqs = translate_sft_batch(sequences, attention, loss_mask, max_seq_len=cfg.model.max_seq_len)
+    result = trainer.forward_backward(seqs, "cross_entropy")
+    opt = trainer.optim_step(adam(cfg, cfg.sft.learning_rate), "none")
+    tokens = sum(s.num_targets for s in seqs)
+    return {
+        "sft/nll": float(result.metrics["loss:sum"]),  # weights sum to 1: per-token mean NLL
+        "tokens": float(tokens),
+        "passes/forwards": 1.0,
+        "passes/backwards": 1.0,
+        **{f"optim/{k}": float(v) for k, v in opt.items()},
+    }
+
+
+def eval_nll(trainer: Any, examples: Sequence[Example], batch_size: int) -> float:
+    """Per-token NLL of the assistant tokens of ``examples`` at the current weights."""
+    total, count = 0.0, 0.0
+    for lo in range(0, len(examples), batch_size):
+        chunk = examples[lo : lo + batch_size]
+        lps = trainer.forward([make_seq(e.tokens, i) for i, e in enumerate(chunk)])
+        for e, lp in zip(chunk, lps, strict=True):
+            w = e.weights[1:]
+            total -= float(np.dot(w, np.asarray(lp, np.float64)))
+            count += float(w.sum())
+    return total / max(count, 1.0)
+
+
+def rl_seqs(cfg: Any, groups) -> tuple[list[Seq], np.ndarray]:
+    """Episodes → `Seq`s with per-token advantages on action tokens; and the rewards."""
+    rewards = np.array([e.reward for g in groups for e in g], dtype=np.float64)
+    adv = np.asarray(
+        losses.group_advantages(
+            rewards, group_size=cfg.rl.group_size, estimator=cfg.rl.advantage_estimator
+        )
+    )
+    seqs = []
+    for a, episode in zip(adv, (e for g in groups for e in g), strict=True):
+        s = episode_to_seq(episode)
+        inputs = dict(s.inputs)
+        inputs["advantages"] = float(a) * inputs["action_mask"]
+        seqs.append(Seq(s.tokens, inputs))
+    return seqs, rewards
+
+
+def rl_step(
+    cfg: Any,
+    trainer: Any,
+    task: LoadedTask,
+    step: int,
+    runner: StepRunner,
+    reference: Any = None,
+) -> dict[str, Any]:
+    """Sample groups → rewards → group advantages → one planned step of the RL loss."""
+    rng = step_rng(cfg, 2, step)
+    problems = task.problems(rng, cfg.rl.problems_per_step)
+    groups = rollout(
+        trainer,
+        task,
+        problems,
+        group_size=cfg.rl.group_size,
+        temperature=cfg.rl.temperature,
+        seed=int(rng.integers(2**31)),
+        max_seq_len=cfg.model.max_seq_len,
+    )
+    seqs, rewards = rl_seqs(cfg, groups)
+    extra_forwards = 0
+    if reference is not None:
+        ref = reference.forward([s.with_inputs() for s in seqs])
+        extra_forwards = 1
+        seqs = [
+            Seq(
+                s.tokens,
+                dict(s.inputs, ref_logprobs=np.asarray(r, np.float64) * s.inputs["action_mask"]),
+            )
+            for s, r in zip(seqs, ref, strict=True)
+        ]
+    metrics = runner.step(
+        trainer, seqs, adam(cfg, cfg.rl.learning_rate), num_microbatches=cfg.rl.num_microbatches
+    )
+    metrics["passes/forwards"] += extra_forwards
+    episodes = [e for g in groups for e in g]
+    metrics.update(
+        {
+            "reward": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "turns": float(np.mean([e.num_turns for e in episodes])),
+            "tokens": float(sum(s.num_targets for s in seqs)),
+            **rollout_metrics(episodes),
+        }
+    )
+    if metrics.get("echo_env/num_obs_tokens", 0.0) > 0:  # NLL per observation token, if any
+        metrics["env_nll"] = float(metrics["echo_env/nll"])
+    return metrics
+
+
+def eval_problems(cfg: Any, task: LoadedTask) -> list[Any]:
+    """The task's ``eval_problems()``, else `EVAL_PROBLEMS` problems drawn with ``rng(seed, 3)``
+    (the same at every evaluation)."""
+    if task.has_eval_problems:
+        return task.eval_problems()
+    return task.problems(step_rng(cfg, 3), EVAL_PROBLEMS)
+
+
+def evaluate(cfg: Any, trainer: Any, task: LoadedTask, problems: Sequence[Any]) -> float:
+    """Mean reward on ``problems``, one episode each, sampled at the RL temperature with a fixed
+    seed (the same problems and seeds at every evaluation, so evaluations are comparable)."""
+    groups = rollout(
+        trainer,
+        task,
+        problems,
+        group_size=1,
+        temperature=cfg.rl.temperature,
+        seed=cfg.run.seed + 12345,
+        max_seq_len=cfg.model.max_seq_len,
+    )
+    return float(np.mean([g[0].reward for g in groups]))
