@@ -36,6 +36,10 @@ import numpy as np
 import tinker
 from tinker import types
 
+from runner._hosted import as_seq_list as _as_list
+from runner._hosted import check_int as _check_int
+from runner._hosted import check_prompts as _check_prompts
+from runner._hosted import to_sample as _to_sample
 from runner._net import probe
 from runner._padding import CheckedSeqs
 from runner._types import AdamParams, ForwardBackwardResult, Sample, Seq
@@ -538,57 +542,6 @@ class TinkerTrainer:
 def _first_line(text: str) -> str:
     lines = str(text).strip().splitlines()
     return lines[0][:500] if lines else ""
-
-
-def _as_list(seqs: Any) -> list[Seq]:
-    if isinstance(seqs, Seq) or not isinstance(seqs, Sequence):
-        raise ValueError(f"expected a sequence of runner.Seq, got {type(seqs).__name__}")
-    return seqs if isinstance(seqs, CheckedSeqs) else list(seqs)
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"sample: {name} must be an int, got {value!r}")
-    if value < low:
-        raise ValueError(f"sample: {name} must be >= {low}, got {value!r}")
-    return int(value)
-
-
-def _check_prompts(prompts: Any) -> list[np.ndarray]:
-    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
-        raise ValueError("sample: prompts must be a sequence of token sequences")
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("sample: empty batch: at least one prompt is required")
-    arrays = []
-    for i, p in enumerate(prompts):
-        a = np.asarray(p)
-        if a.ndim != 1 or a.shape[0] < 1:
-            raise ValueError(f"prompt {i}: must be a non-empty rank-1 token list, got {a.shape}")
-        if not np.issubdtype(a.dtype, np.integer) or a.min() < 0:
-            raise ValueError(f"prompt {i}: tokens must be non-negative integers")
-        arrays.append(a.astype(np.int64))
-    return arrays
-
-
-def _to_sample(seq: Any, prompt: int, stops: Sequence[int]) -> Sample:
-    tokens = seq.tokens_np if seq.tokens_np is not None else np.asarray(seq.tokens)
-    tokens = np.asarray(tokens, np.int64).reshape(-1)
-    logprobs = seq.logprobs_np if seq.logprobs_np is not None else seq.logprobs
-    if logprobs is None:
-        raise RuntimeError(f"prompt {prompt}: the sampler returned no logprobs")
-    logprobs = np.asarray(logprobs, np.float32).reshape(-1)
-    if logprobs.shape != tokens.shape:
-        raise RuntimeError(
-            f"prompt {prompt}: {logprobs.shape[0]} logprobs for {tokens.shape[0]} sampled tokens"
-        )
-    stop = "stop" if str(seq.stop_reason) == "stop" else "length"
-    if stops:
-        hits = np.flatnonzero(np.isin(tokens, stops))
-        if hits.size:
-            end = int(hits[0]) + 1
-            tokens, logprobs, stop = tokens[:end], logprobs[:end], "stop"
-    return Sample(tokens=tokens, logprobs=logprobs, stop_reason=stop)
 
 
 # -- construction from the main job's config ------------------------------------------------

@@ -1,0 +1,68 @@
+"""Input checks and sample conversion shared by the hosted-SDK backends (Fireworks, Tinker).
+
+Both SDKs return sampled sequences with ``tokens``/``logprobs`` (and numpy views
+``tokens_np``/``logprobs_np`` where the SDK has them) and a ``stop_reason``; both backends take
+the same ``sample(prompts, num_samples, max_tokens, seed, stop_token_ids)`` arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from runner._padding import CheckedSeqs
+from runner._types import Sample, Seq
+
+
+def as_seq_list(seqs: Any) -> list[Seq]:
+    if isinstance(seqs, Seq) or not isinstance(seqs, Sequence):
+        raise ValueError(f"expected a sequence of runner.Seq, got {type(seqs).__name__}")
+    return seqs if isinstance(seqs, CheckedSeqs) else list(seqs)
+
+
+def check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"sample: {name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"sample: {name} must be >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_prompts(prompts: Any) -> list[np.ndarray]:
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        raise ValueError("sample: prompts must be a sequence of token sequences")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("sample: empty batch: at least one prompt is required")
+    arrays = []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1 or a.shape[0] < 1:
+            raise ValueError(f"prompt {i}: must be a non-empty rank-1 token list, got {a.shape}")
+        if not np.issubdtype(a.dtype, np.integer) or a.min() < 0:
+            raise ValueError(f"prompt {i}: tokens must be non-negative integers")
+        arrays.append(a.astype(np.int64))
+    return arrays
+
+
+def to_sample(seq: Any, prompt: int, stops: Sequence[int]) -> Sample:
+    tokens = getattr(seq, "tokens_np", None)
+    tokens = np.asarray(seq.tokens if tokens is None else tokens, np.int64).reshape(-1)
+    logprobs = getattr(seq, "logprobs_np", None)
+    logprobs = seq.logprobs if logprobs is None else logprobs
+    if logprobs is None:
+        raise RuntimeError(f"prompt {prompt}: the sampler returned no logprobs")
+    logprobs = np.asarray(logprobs, np.float32).reshape(-1)
+    if logprobs.shape != tokens.shape:
+        raise RuntimeError(
+            f"prompt {prompt}: {logprobs.shape[0]} logprobs for {tokens.shape[0]} sampled tokens"
+        )
+    stop = "stop" if str(seq.stop_reason) == "stop" else "length"
+    if stops:
+        hits = np.flatnonzero(np.isin(tokens, stops))
+        if hits.size:
+            end = int(hits[0]) + 1
+            tokens, logprobs, stop = tokens[:end], logprobs[:end], "stop"
+    return Sample(tokens=tokens, logprobs=logprobs, stop_reason=stop)
