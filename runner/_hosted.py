@@ -7,12 +7,14 @@ the same ``sample(prompts, num_samples, max_tokens, seed, stop_token_ids)`` argu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from runner._padding import CheckedSeqs
+from runner._seeds import PROMPT_SEED_STRIDE
 from runner._types import Sample, Seq
 
 
@@ -66,3 +68,41 @@ def to_sample(seq: Any, prompt: int, stops: Sequence[int]) -> Sample:
             end = int(hits[0]) + 1
             tokens, logprobs, stop = tokens[:end], logprobs[:end], "stop"
     return Sample(tokens=tokens, logprobs=logprobs, stop_reason=stop)
+
+
+def check_sample_args(
+    prompts: Any,
+    num_samples: Any,
+    max_tokens: Any,
+    seed: Any,
+    temperature: Any,
+    stop_token_ids: Sequence[Any],
+    max_seq_len: int | None,
+) -> tuple[list[np.ndarray], int, int, int, list[int]]:
+    """The checked arguments of a hosted backend's ``sample``:
+    ``(prompt arrays, num_samples, max_tokens, seed, stop token ids)``.
+
+    Raises:
+      ValueError: naming the argument and the rule (seed < 2**32, fewer prompts than the seed
+        stride, a finite temperature ≥ 0, the longest prompt + max_tokens − 1 ≤ max_seq_len).
+    """
+    arrays = check_prompts(prompts)
+    num_samples = check_int("num_samples", num_samples, 1)
+    max_tokens = check_int("max_tokens", max_tokens, 1)
+    seed = check_int("seed", seed, 0)
+    if seed >= 2**32:
+        raise ValueError(f"sample: seed must be < 2**32, got {seed}")
+    if len(arrays) >= PROMPT_SEED_STRIDE:
+        raise ValueError(f"sample: at most {PROMPT_SEED_STRIDE - 1} prompts per call")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
+        raise ValueError(f"sample: temperature must be a number, got {temperature!r}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"sample: temperature must be finite and >= 0, got {temperature!r}")
+    stops = [check_int("stop_token_ids entry", t, 0) for t in stop_token_ids]
+    longest = max(a.shape[0] for a in arrays)
+    if max_seq_len is not None and longest + max_tokens - 1 > max_seq_len:
+        raise ValueError(
+            f"sample: longest prompt ({longest}) + max_tokens ({max_tokens}) - 1 exceeds "
+            f"max_seq_len={max_seq_len}"
+        )
+    return arrays, num_samples, max_tokens, seed, stops

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -37,8 +36,7 @@ import tinker
 from tinker import types
 
 from runner._hosted import as_seq_list as _as_list
-from runner._hosted import check_int as _check_int
-from runner._hosted import check_prompts as _check_prompts
+from runner._hosted import check_sample_args
 from runner._hosted import to_sample as _to_sample
 from runner._net import probe
 from runner._padding import CheckedSeqs
@@ -52,7 +50,7 @@ from runner.tinker._convert import (
     output_logprobs,
     to_datums,
 )
-from runner.tinker._seeds import PROMPT_SEED_STRIDE, prompt_seed
+from runner.tinker._seeds import prompt_seed
 from runner.tinker._validate import api_key_from_env, validate_static
 
 log = logging.getLogger("runner.tinker")
@@ -304,25 +302,9 @@ class TinkerTrainer:
         Returns:
           ``result[p][j]``: a `runner.Sample` (int64 tokens, float32 sampling logprobs).
         """
-        arrays = _check_prompts(prompts)
-        num_samples = _check_int("num_samples", num_samples, 1)
-        max_tokens = _check_int("max_tokens", max_tokens, 1)
-        seed = _check_int("seed", seed, 0)
-        if seed >= 2**32:
-            raise ValueError(f"sample: seed must be < 2**32, got {seed}")
-        if len(arrays) >= PROMPT_SEED_STRIDE:
-            raise ValueError(f"sample: at most {PROMPT_SEED_STRIDE - 1} prompts per call")
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
-            raise ValueError(f"sample: temperature must be a number, got {temperature!r}")
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"sample: temperature must be finite and >= 0, got {temperature!r}")
-        stops = [_check_int("stop_token_ids entry", t, 0) for t in stop_token_ids]
-        longest = max(a.shape[0] for a in arrays)
-        if self.max_seq_len is not None and longest + max_tokens - 1 > self.max_seq_len:
-            raise ValueError(
-                f"sample: longest prompt ({longest}) + max_tokens ({max_tokens}) - 1 exceeds "
-                f"max_seq_len={self.max_seq_len}"
-            )
+        arrays, num_samples, max_tokens, seed, stops = check_sample_args(
+            prompts, num_samples, max_tokens, seed, temperature, stop_token_ids, self.max_seq_len
+        )
         sampler = self._current_sampler()
         futures: dict[int, Any] = {}
         # The last prompt first: a server that batches one call's requests (the local server)
