@@ -169,6 +169,10 @@ def test_zero_gradient_exactly_where_the_trust_region_says(case, data):
     zero = expected_zero(case, lp, batch)
     assert np.all(grad[zero] == 0.0)
     live = (np.asarray(batch.action_mask) > 0) & ~zero & (adv_BT(batch) != 0)
+    if case.ctor == "dro":  # the gradient -(A - β(p - q)) vanishes where A = β(p - q) exactly
+        d = lp - np.asarray(batch.old_logprobs)
+        live = (np.asarray(batch.action_mask) > 0) & ~zero
+        live &= ~np.isclose(adv_BT(batch), case.term().config["beta"] * d, rtol=1e-9, atol=1e-12)
     if case.ctor == "gmpo":  # the whole row scales with Ā_i
         m = np.asarray(batch.action_mask)
         live &= (adv_BT(batch) * m).sum(1, keepdims=True) != 0
