@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fireworks.training.sdk import types
+from fireworks.training.sdk._core._compat import model_dump
+from fireworks.training.sdk._core.lib._pydantic_conv import to_pydantic_request
 from fireworks.training.sdk.client import FiretitanTrainingClient, _target_logprob_support
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,14 +36,12 @@ from runner.fireworks import (
 from runner.fireworks import (
     LOSS_CONFIG_KEYS,
     OPT_IN_LOSSES,
-    FireworksTrainer,
     builtin_config,
 )
 from runner.fireworks._convert import KERNEL_INPUTS
 from runner.local import LocalTrainer, LocalTrainerConfig, model
 from runner.local import kernels as local_kernels
 from tests.fakes import BigramTrainer
-from tests.fireworks_fake import FakeFireworks, wire_body
 
 V = 16
 CFG = LocalTrainerConfig(
@@ -250,7 +250,9 @@ def _fireworks(name: str, config: dict) -> str | None:
         model_id="m",
         seq_id=1,
     )
-    wire_body(request)  # the SDK's own serializer and pydantic wire schema
+    # the SDK's own serializer, validated back against its pydantic wire schema
+    wire = to_pydantic_request(request)
+    type(wire).model_validate(model_dump(wire, exclude_none=True, mode="json"))
     return None
 
 
@@ -368,39 +370,6 @@ def test_local_reinforce_is_the_losses_term(trainer):
         )
     np.testing.assert_allclose(result.metrics["loss:sum"], total, rtol=1e-4)
     trainer.reset_grads()
-
-
-def test_fireworks_reinforce_is_opt_in_and_capability_gated(tmp_path):
-    world = FakeFireworks(tmp_path / "fw", CFG)
-    client = world.connect()
-    with pytest.raises(ValueError, match="supports_reinforce"):
-        FireworksTrainer(client, base_model="accounts/fireworks/models/qwen3-8b",
-                         builtin_losses=(*FW_DEFAULT, "reinforce"))  # fmt: skip
-    default = FireworksTrainer(client, base_model="accounts/fireworks/models/qwen3-8b")
-    assert "reinforce" not in default.builtin_losses
-    with pytest.raises(ValueError, match="unknown loss 'reinforce'"):
-        default.forward_backward(tiny_seqs("reinforce"), "reinforce")
-    client.supports_reinforce = True  # a trainer that advertises the capability
-    fw = FireworksTrainer(
-        client,
-        base_model="accounts/fireworks/models/qwen3-8b",
-        builtin_losses=(*FW_DEFAULT, "reinforce"),
-    )
-    assert "reinforce" in fw.builtin_losses
-    seqs = [
-        Seq(s.tokens, {k: v.astype(np.float32) for k, v in s.inputs.items()})
-        for s in tiny_seqs("reinforce", seed=5)
-    ]
-    got = fw.forward_backward(seqs, "reinforce", {})
-    kind, body = world.requests[-1]
-    assert kind == "forward_backward"
-    assert body["forward_backward_input"]["loss_fn"] == "reinforce"
-    assert not body["forward_backward_input"].get("loss_fn_config")  # no defaults sent
-    want = LocalTrainer(CFG).forward_backward(seqs, "reinforce")
-    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-6)
-    # score centering needs its own capability (the SDK's check), then the local limit
-    with pytest.raises(ValueError, match="score centering"):
-        fw.forward_backward(seqs, "reinforce", {"score_centering": True})
 
 
 # -- (d) every kernel's term builds --------------------------------------------------------------

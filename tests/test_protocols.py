@@ -56,23 +56,20 @@ def test_local_trainer_capabilities(tmp_path):
 
 
 def test_fireworks_trainer_capabilities(tmp_path):
-    from runner.fireworks import FireworksTrainer
-    from tests.fireworks_fake import FakeFireworks
+    pytest.importorskip("aiohttp")
+    from tests.test_serve_fireworks import connect, fireworks_server
 
-    world = FakeFireworks(tmp_path / "fw", CFG)
-    client = world.connect()
-    trainer = FireworksTrainer(
-        client,
-        base_model="accounts/fireworks/models/qwen3-8b",
-        trainer_job_id=client.job.id,
-        control_plane=world.control,
-    )
+    st = fireworks_server(tmp_path / "fw")
     try:
-        caps = capabilities(trainer)
-        assert caps.names() == ALL - {"loads_weights"}
-        assert caps.type_name == "FireworksTrainer"
+        trainer = connect(st)
+        try:
+            caps = capabilities(trainer)
+            assert caps.names() == ALL - {"loads_weights"}
+            assert caps.type_name == "FireworksTrainer"
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        st.stop()
 
 
 def test_bigram_fake_is_only_a_trainer():

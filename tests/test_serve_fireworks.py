@@ -573,3 +573,35 @@ def test_fireworks_helpers_leave_the_tinker_flavour_the_default(served):
     assert r.status_code == 200
     session = served.server.sessions[r.json()["session_id"]]
     assert session.flavour == "tinker"
+
+
+def test_reinforce_is_opt_in_and_gated_on_the_advertised_capability(served, trainer, wire):
+    # reinforce (undocumented formula) is used only when named and advertised
+    default = FireworksTrainer(trainer.client, base_model=BASE)
+    assert "reinforce" not in default.builtin_losses
+    rng = np.random.default_rng(5)
+    seqs = [_rl_seq(rng.integers(1, VOCAB, size=k).tolist(), rng) for k in (5, 8)]
+    with pytest.raises(ValueError, match="unknown loss 'reinforce'"):
+        default.forward_backward(seqs, "reinforce")
+    assert trainer.client.supports_reinforce is True  # what this server's create_model said
+    trainer.client.supports_reinforce = False  # a trainer that does not advertise it
+    try:
+        with pytest.raises(ValueError, match="does not advertise supports_reinforce"):
+            FireworksTrainer(
+                trainer.client, base_model=BASE, builtin_losses=(*BUILTIN_LOSSES, "reinforce")
+            )
+    finally:
+        trainer.client.supports_reinforce = True
+    opted = FireworksTrainer(
+        trainer.client, base_model=BASE, builtin_losses=(*BUILTIN_LOSSES, "reinforce")
+    )
+    got = opted.forward_backward(seqs, "reinforce", {})
+    kind, body = wire.of(trainer.client.model_id)[-1]
+    assert kind == "forward_backward"
+    assert body["forward_backward_input"]["loss_fn"] == "reinforce"
+    assert not body["forward_backward_input"].get("loss_fn_config")  # no defaults sent
+    want = LocalTrainer(CFG).forward_backward(seqs, "reinforce")
+    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-6)
+    # score centering needs its own capability (the SDK's check), then the local limit
+    with pytest.raises(ValueError, match="score centering"):
+        opted.forward_backward(seqs, "reinforce", {"score_centering": True})
