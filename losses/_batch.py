@@ -63,6 +63,10 @@ MASK_FIELDS = ("action_mask", "obs_mask")
 LOGPROB_FIELDS = ("sampling_logprobs", "old_logprobs", "ref_logprobs", "teacher_logprobs")
 #: Real-valued per-token fields that must be finite on action tokens (critic targets).
 VALUE_FIELDS = ("old_values", "returns")
+#: What a term takes as its first argument (`Term.argument`): per-token logprobs float[B, T]
+#: (``≤ 0``), top-K student logprobs float[B, T, K] (``≤ 0``, the top-K distillation terms) or
+#: value predictions float[B, T] (any finite value, the critic).
+ARGUMENTS = ("logprobs", "topk_logprobs", "values")
 _PER_TOKEN_FIELDS = tuple(f for f in DATA_FIELDS if f not in ("action_mask", "advantages"))
 
 
@@ -391,6 +395,11 @@ class Term:
       validate: host-side data rules specific to the term, ``(batch, logprobs) -> None``
         raising ``ValueError`` (preference pairs: an even row count, no empty completion);
         `check_batch` runs it when given ``term=``. ``None``: no rules beyond the generic ones.
+      argument: what the first argument is, one of `ARGUMENTS`: ``"logprobs"`` float[B, T]
+        (default), ``"topk_logprobs"`` float[B, T, K] or ``"values"`` float[B, T] (value
+        predictions: any finite number). `check_batch` and `any_violation` apply that
+        argument's rules; a runner that computes per-token logprobs accepts only
+        ``"logprobs"`` terms.
     """
 
     name: str
@@ -404,8 +413,13 @@ class Term:
     twin: Twin | None = None
     data_weights: Callable[[Batch], Array] | None = None
     validate: Callable[[Batch, Any], None] | None = None
+    argument: str = "logprobs"
 
     def __post_init__(self) -> None:
+        if self.argument not in ARGUMENTS:
+            raise ValueError(
+                f"Term {self.name!r}: argument must be one of {ARGUMENTS}, got {self.argument!r}"
+            )
         for attr in ("reads", "requires"):
             names = getattr(self, attr)
             if names is None:

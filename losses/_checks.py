@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from losses._batch import (
+    ARGUMENTS,
     GLOBAL_FIELDS,
     LOGPROB_FIELDS,
     MASK_FIELDS,
@@ -85,11 +86,13 @@ def check_batch(
     * with ``dtype`` (e.g. float32, the dtype a runner computes in), every checked value must
       also be representable in it: a float64 ``1e39`` would become ``inf``;
     * ``logprobs`` has the batch's ``[B, T]`` shape (or ``[B, T, K]``: the student logprobs of the
-      top-K distillation terms, each K checked).
+      top-K distillation terms, each K checked); with ``term``, the first argument follows
+      ``term.argument`` (`losses.ARGUMENTS`): ``"values"`` (the critic's predictions) are only
+      required to be finite on action tokens, ``"topk_logprobs"`` must be ``[B, T, K]``.
 
     Args:
       batch: the `Batch` (shapes were checked at construction).
-      logprobs: optional float[B, T] current-policy logprobs.
+      logprobs: optional float[B, T] current-policy logprobs (the term's first argument).
       dtype: the float dtype the values will be computed in; ``None`` = their own.
       index_names: what the two axes are called in messages (a runner says
         ``("sequence", "target")``).
@@ -126,17 +129,9 @@ def check_batch(
             "observation"
         )
     if logprobs is not None:
-        lp = np.asarray(logprobs)
-        if lp.ndim == 3 and lp.shape[:2] == bt and lp.shape[2] >= 1:
-            # [B, T, K] student logprobs of the top-K distillation terms: every K is checked.
-            for k in (lp.max(axis=2), lp.min(axis=2)):
-                _check_logprob_values("logprobs", k, action | obs, dtype, index_names)
-        elif lp.shape != bt:
-            raise ValueError(
-                f"logprobs has shape {lp.shape}, expected {bt} like action_mask (or [B, T, K])"
-            )
-        else:
-            _check_logprob_values("logprobs", lp, action | obs, dtype, index_names)
+        _check_argument(
+            getattr(term, "argument", None), np.asarray(logprobs), action, obs, dtype, index_names
+        )
     for name in LOGPROB_FIELDS:
         value = batch.get(name)
         if value is not None:
@@ -209,6 +204,44 @@ def check_batch(
         validate(batch, logprobs)
 
 
+def _check_argument(
+    argument: str | None,
+    x: np.ndarray,
+    action: np.ndarray,
+    obs: np.ndarray,
+    dtype: Any,
+    index_names: tuple[str, str],
+) -> None:
+    """The first argument's rules (`losses.ARGUMENTS`; ``None``: logprobs [B, T] or [B, T, K])."""
+    bt = action.shape
+    if argument == "values":
+        if x.shape != bt:
+            raise ValueError(f"values have shape {x.shape}, expected {bt} like action_mask")
+        bad = action & ~_finite_in(x, dtype)
+        if bad.any():
+            idx = _first(bad)
+            v = float(x[idx])
+            raise ValueError(
+                f"values[{_at(idx, index_names)}] = {v:g} on an action token: value predictions "
+                f"{_what('values', v, dtype)}"
+            )
+        return
+    topk = x.ndim == 3 and x.shape[:2] == bt and x.shape[2] >= 1
+    if argument == "topk_logprobs" and not topk:
+        raise ValueError(
+            f"logprobs have shape {x.shape}, expected top-K logprobs [B, T, K] with [B, T] = {bt}"
+        )
+    if topk and argument in (None, "topk_logprobs"):
+        # [B, T, K] student logprobs of the top-K distillation terms: every K is checked.
+        for k in (x.max(axis=2), x.min(axis=2)):
+            _check_logprob_values("logprobs", k, action | obs, dtype, index_names)
+        return
+    if x.shape != bt:
+        expected = f"{bt} like action_mask" + (" (or [B, T, K])" if argument is None else "")
+        raise ValueError(f"logprobs has shape {x.shape}, expected {expected}")
+    _check_logprob_values("logprobs", x, action | obs, dtype, index_names)
+
+
 def _check_logprob_values(
     name: str, values: np.ndarray, where: np.ndarray, dtype: Any, index_names: tuple[str, str]
 ) -> None:
@@ -232,7 +265,7 @@ def _check_logprob_values(
         )
 
 
-def any_violation(batch: Batch, logprobs: Any = None) -> Any:
+def any_violation(batch: Batch, logprobs: Any = None, *, argument: str = "logprobs") -> Any:
     """Whether any entry breaks a `check_batch` rule; jittable, bool scalar.
 
     The same rules as `check_batch` on the batch's own dtype (a value that overflowed in a cast
@@ -243,7 +276,11 @@ def any_violation(batch: Batch, logprobs: Any = None) -> Any:
 
     Args:
       batch: a `Batch` (possibly of tracers).
-      logprobs: optional float[B, T] current-policy logprobs.
+      logprobs: the term's optional first argument: float[B, T] current-policy logprobs, or
+        what ``argument`` says.
+      argument: what ``logprobs`` is (`losses.ARGUMENTS`, a term's ``argument``):
+        ``"logprobs"`` (finite, ``≤ 0`` where read), ``"topk_logprobs"`` ([B, T, K], each K
+        so) or ``"values"`` (finite on action tokens).
 
     Returns:
       bool[]: True when some entry is invalid.
@@ -259,7 +296,16 @@ def any_violation(batch: Batch, logprobs: Any = None) -> Any:
     read = action if obs is None else action | obs
     if logprobs is not None:
         lp = jnp.asarray(logprobs)
-        bad = bad | (read & ~(jnp.isfinite(lp) & (lp <= MAX_LOGPROB)))
+        if argument == "values":
+            bad = bad | (action & ~jnp.isfinite(lp))
+        elif argument == "topk_logprobs":
+            bad = bad | (read & ~jnp.all(jnp.isfinite(lp) & (lp <= MAX_LOGPROB), axis=2))
+        elif argument == "logprobs":
+            bad = bad | (read & ~(jnp.isfinite(lp) & (lp <= MAX_LOGPROB)))
+        else:
+            raise ValueError(
+                f"any_violation: argument must be one of {ARGUMENTS}, got {argument!r}"
+            )
     for name in LOGPROB_FIELDS:
         value = batch.get(name)
         if value is not None:

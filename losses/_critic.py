@@ -253,4 +253,5 @@ def value_loss(
         reads=frozenset(requires) | reduction_reads(reduction, "action"),
         requires=frozenset(requires),
         twin=None,
+        argument="values",
     )

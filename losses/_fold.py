@@ -65,6 +65,14 @@ def fold(*terms: Any) -> Term:
             raise ValueError(f"fold: duplicate term name {name!r}; pass (name, term) pairs")
         parts.append((name, term))
     frozen = tuple(parts)
+    taken = [(n, getattr(t, "argument", "logprobs")) for n, t in frozen]
+    arguments = {a for _, a in taken}
+    if len(arguments) > 1:
+        listed = ", ".join(f"{n}: {a}" for n, a in taken)
+        raise ValueError(
+            f"fold: the terms take different first arguments ({listed}); fold only terms that "
+            "read the same array"
+        )
 
     def loss_fn(logprobs, batch: Batch):
         total = None
@@ -106,4 +114,5 @@ def fold(*terms: Any) -> Term:
         # checks its own required fields when called.
         reads=None if any(r is None for r in declared) else frozenset().union(*declared),
         validate=validate if validators else None,
+        argument=arguments.pop() if arguments else "logprobs",
     )

@@ -118,6 +118,7 @@ class ClientLoss:
     ) -> None:
         if not callable(term):
             raise ValueError(f"ClientLoss: term must be callable, got {term!r}")
+        require_logprob_term(term, "ClientLoss")
         self.term = term
         self.length_buckets = tuple(sorted(length_buckets))
         self.dtype = dtype
@@ -385,6 +386,18 @@ class ClientLoss:
         counter.forward_backward()
         metrics["surrogate_loss"] = float(result.metrics.get("loss:sum", float("nan")))
         return value, metrics
+
+
+def require_logprob_term(term: Any, where: str) -> None:
+    """Raises ``ValueError`` unless ``term`` takes per-token logprobs (``Term.argument``): what
+    every trainer returns, so the only terms the runner can train."""
+    argument = getattr(term, "argument", "logprobs")
+    if argument != "logprobs":
+        raise ValueError(
+            f"{where}: {term!r} takes {argument} as its first argument; a trainer returns "
+            "per-token logprobs [B, T], so the runner trains only terms over logprobs (call "
+            "`losses` directly for top-K distillation or a critic)"
+        )
 
 
 def _tie(batch: losses.Batch, tied: bool) -> losses.Batch:

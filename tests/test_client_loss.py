@@ -228,3 +228,9 @@ def test_value_and_weights_rejects_what_check_batch_rejects():
             [Seq(tokens, good)],
             {"num_rows": -1.0, "num_action_tokens": 2.0, "num_obs_tokens": 0.0},
         )
+
+
+def test_terms_over_values_or_top_k_logprobs_are_refused_by_the_client_loss():
+    for term in (losses.value_loss(), losses.fold(losses.value_loss())):
+        with pytest.raises(ValueError, match="takes values as its first argument"):
+            ClientLoss(term)

@@ -476,6 +476,45 @@ def test_value_loss_term_contract():
     assert t.requires == {"action_mask", "returns", "old_values"}
     assert {"action_mask", "returns", "old_values", "num_rows", "obs_mask"} <= t.reads
     assert losses.builtin_twin(t) is None
+    assert t.argument == "values"
+
+
+def test_value_predictions_are_checked_as_values_not_logprobs():
+    # The critic's first argument is a value prediction: positive values are valid data, where
+    # a logprob would have to be <= 0; a non-finite or float32-overflowing one is not.
+    t = losses.value_loss()
+    batch = losses.Batch(
+        action_mask=np.array([[1.0, 1.0, 0.0]]),
+        old_values=np.array([[0.5, 2.0, 0.0]]),
+        returns=np.array([[3.0, 1.0, 0.0]]),
+    )
+    values = np.array([[2.5, 7.0, np.nan]])  # the masked NaN is not read
+    losses.check_batch(batch, values, term=t, dtype=np.float32)
+    assert not bool(losses.any_violation(batch, values, argument=t.argument))
+    with pytest.raises(ValueError, match=r"> 0 on an unmasked token"):  # read as logprobs
+        losses.check_batch(batch, values)
+    assert bool(losses.any_violation(batch, values))
+    for bad, rule in ((np.inf, "must be finite"), (1e39, "overflows float32")):
+        v = values.copy()
+        v[0, 1] = bad
+        with pytest.raises(ValueError, match=rf"values\[row 0, column 1\] = .*{rule}"):
+            losses.check_batch(batch, v, term=t, dtype=np.float32)
+    v = values.copy()
+    v[0, 0] = np.inf
+    assert bool(losses.any_violation(batch, v, argument="values"))
+    with pytest.raises(ValueError, match=r"values have shape \(1, 2\), expected \(1, 3\)"):
+        losses.check_batch(batch, values[:, :2], term=t)
+    with pytest.raises(ValueError, match="argument must be one of"):
+        losses.any_violation(batch, values, argument="value")
+    with pytest.raises(ValueError, match="argument must be one of"):
+        losses.Term(name="x", fn=t.fn, argument="value")
+
+
+def test_a_fold_of_terms_over_different_arguments_is_refused():
+    with pytest.raises(ValueError, match=r"different first arguments \(grpo: logprobs, "):
+        losses.fold(losses.grpo(), losses.value_loss())
+    both = losses.fold(("a", losses.value_loss()), ("b", losses.value_loss(clip=None)))
+    assert both.argument == "values"
 
 
 @pytest.mark.parametrize(
