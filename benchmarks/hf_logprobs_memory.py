@@ -3,7 +3,8 @@
 For final hidden states ``h[T, H]``, an unembedding ``W[V, H]`` and targets (B = 1), it compiles
 ``(logprobs, d/dh, d/dW)`` of `runner.local.models.chunked_token_logprobs` with ``chunk = 0``
 (the ``[T, V]`` float32 logits materialized, autodiff keeping them for the backward) and with
-several chunk sizes, and reports XLA's compiled memory analysis side by side: the temporary
+several chunk sizes (the backward in blocks of the default number of vocabulary rows, the
+"vocab block" column), and reports XLA's compiled memory analysis side by side: the temporary
 (transient) bytes — what chunking removes — and the argument and output bytes (``h``, ``W``,
 ``dh``, ``dW``: the same for every variant). Without ``--no-run`` it also runs each variant once
 in a fresh subprocess (materialized and the default chunk, H = 256) and reports its peak
@@ -53,9 +54,12 @@ def _build(T: int, V: int, H: int, chunk: int):
 
 
 def analyze(T: int, V: int, H: int, chunk: int) -> dict:
+    from runner.local.models import _logprobs
+
     fn, shapes = _build(T, V, H, chunk)
     m = fn.lower(*shapes).compile().memory_analysis()
     return dict(
+        vocab_block=_logprobs._vocab_block(V, None) if 0 < chunk < T else None,
         temp_mib=m.temp_size_in_bytes / MIB,
         argument_mib=m.argument_size_in_bytes / MIB,
         output_mib=m.output_size_in_bytes / MIB,
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     cols = [
         "H",
         "chunk",
+        "vocab block",
         "temp MiB",
         "temp / materialized",
         "args+outputs MiB",
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
             [
                 r["H"],
                 r["chunk"],
+                r["vocab_block"],
                 r["temp_mib"],
                 r["temp_vs_materialized"],
                 r["argument_mib"] + r["output_mib"],

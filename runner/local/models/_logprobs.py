@@ -10,13 +10,26 @@ softmax, for the backward: about 3·N·V floats). With ``chunk = C > 0`` it is a
 
 - forward: `jax.lax.map` over ``⌈N/C⌉`` chunks of ``C`` tokens; each computes ``z[C, V]``, its
   ``lse`` and the target logit, and keeps only ``lse[N]`` (plus the inputs) as residuals;
-- backward, for upstream ``g[N]``: `jax.lax.scan` over the same chunks recomputes ``z``, forms
-  ``dz = g·(onehot(y) - exp(z - lse))`` and accumulates ``dh = dz W`` (per chunk) and
-  ``dW += dzᵀ h`` in float32 (or wider), cast to ``W``'s dtype at the end.
+- backward, for upstream ``g[N]``: an outer `jax.lax.scan` over blocks of ``Vb`` vocabulary rows
+  ``W_b[Vb, H]`` and, inside it, a scan over the same token chunks, which recomputes the tile
+  ``z[C, Vb]`` from the saved ``lse``, forms ``dz = g·(onehot(y) - exp(z - lse))`` and adds
+  ``dz W_b`` into ``dh[N, H]`` and ``dzᵀ h`` into the block's ``dW_b[Vb, H]`` (float32 or wider).
+  A finished block is cast to ``W``'s dtype and written into its rows of ``dW`` in place
+  (``dynamic_update_slice`` on the scan carry, which XLA assigns to the output buffer), so no
+  ``[V, H]`` temporary exists; ``dh`` is cast to ``h``'s dtype at the end.
 
-Only ``[C, V]`` logits exist at a time, so peak memory is ``O(C·V + V·H)`` instead of
-``O(N·V)``. N need not be a multiple of C (the last chunk is zero-padded and its padding
-dropped). The value equals the materialized one up to floating-point summation order.
+If ``Vb`` does not divide ``V`` the last block is shifted back to end at row ``V``: the rows that
+the previous block already covered are recomputed and overwritten in ``dW`` and masked out of the
+``dz`` that goes into ``dh``, so ``W`` is never padded or copied. The default ``Vb`` is the
+largest divisor of ``V`` in ``[2048, 4096]`` (Qwen's 151936 → 2374), else 4096; ``Vb = min(Vb,
+V)``.
+
+Compiled temporaries are ``O(C·V)`` in the forward and ``O(C·Vb + Vb·H + N·H)`` in the backward,
+instead of ``O(N·V)``. N need not be a multiple of C (the last chunk is zero-padded and its padding
+dropped). Value and gradient equal the materialized ones up to floating-point summation order.
+With bfloat16 ``W`` on XLA:CPU, float normalization upcasts the operand of every bfloat16 dynamic
+slice to float32 and hoists ``convert(W)`` out of the loop: one float32 ``[V, H]`` temporary there
+(not on backends that slice bfloat16 natively).
 """
 
 from __future__ import annotations
@@ -26,6 +39,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+#: The default vocabulary block: the largest divisor of V in [_BLOCK // 2, _BLOCK], else _BLOCK.
+_BLOCK = 4096
 
 
 def _acc(dtype) -> jnp.dtype:
@@ -51,6 +67,18 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
     return x.reshape((x.shape[0] // chunk, chunk) + x.shape[1:])
 
 
+def _vocab_block(V: int, vocab_block: int | None) -> int:
+    """Rows of ``W`` per backward block: as asked (at most V), or the default rule above."""
+    if vocab_block is not None:
+        return min(vocab_block, V)
+    if V <= _BLOCK:
+        return V
+    for b in range(_BLOCK, _BLOCK // 2 - 1, -1):
+        if V % b == 0:
+            return b
+    return _BLOCK
+
+
 def _forward(h_NH, w_VH, y_N, chunk):
     N = h_NH.shape[0]
 
@@ -64,42 +92,65 @@ def _forward(h_NH, w_VH, y_N, chunk):
     return lp.reshape(-1)[:N], lse.reshape(-1)[:N]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked(h_NH, w_VH, y_N, chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked(h_NH, w_VH, y_N, chunk, block):
     return _forward(h_NH, w_VH, y_N, chunk)[0]
 
 
-def _chunked_fwd(h_NH, w_VH, y_N, chunk):
+def _chunked_fwd(h_NH, w_VH, y_N, chunk, block):
     lp, lse = _forward(h_NH, w_VH, y_N, chunk)
     return lp, (h_NH, w_VH, y_N, lse)
 
 
-def _chunked_bwd(chunk, residuals, g_N):
+def _chunked_bwd(chunk, block, residuals, g_N):
     h_NH, w_VH, y_N, lse_N = residuals
     N, H = h_NH.shape
+    V = w_VH.shape[0]
     acc = _acc(w_VH.dtype)
-    g_N = g_N.astype(acc)
-
-    def body(dw_VH, args):
-        h_c, y_c, lse_c, g_c = args
-        z = _logits(h_c, w_VH)
-        dz = -g_c[:, None] * jnp.exp(z - lse_c[:, None])
-        dz = dz.at[jnp.arange(chunk), y_c].add(g_c)
-        dz_w = dz.astype(w_VH.dtype)
-        dh_c = jnp.einsum("cv,vh->ch", dz_w, w_VH, preferred_element_type=acc)
-        dw_VH = dw_VH + jnp.einsum("cv,ch->vh", dz_w, h_c, preferred_element_type=acc)
-        return dw_VH, dh_c.astype(h_NH.dtype)
-
     xs = (_chunks(h_NH, chunk), _chunks(y_N, chunk), _chunks(lse_N, chunk), _chunks(g_N, chunk))
-    dw, dh = jax.lax.scan(body, jnp.zeros(w_VH.shape, acc), xs)
+
+    shifted = V % block != 0  # the last block is shifted back to end at row V
+
+    def vocab_block(carry, b):
+        dh_nCH, dw_VH = carry
+        start = jnp.minimum(b * block, V - block) if shifted else b * block
+        w_b = jax.lax.dynamic_slice_in_dim(w_VH, start, block)
+        v_1B = (start + jnp.arange(block))[None, :]  # vocabulary ids of the block's rows
+
+        def token_chunk(dw_b, args):
+            h_c, y_c, lse_c, g_c = args
+            g_c = g_c.astype(acc)[:, None]
+            z = _logits(h_c, w_b)
+            dz = jnp.where(v_1B == y_c[:, None], g_c, 0.0) - g_c * jnp.exp(z - lse_c[:, None])
+            dz = dz.astype(w_VH.dtype)
+            # Rows an earlier block covered get their dW again (recomputed and overwritten) but
+            # must not add to dh twice.
+            dz_h = jnp.where(v_1B >= b * block, dz, jnp.zeros((), dz.dtype)) if shifted else dz
+            dh_c = jnp.einsum("cv,vh->ch", dz_h, w_b, preferred_element_type=acc)
+            dw_b = dw_b + jnp.einsum("cv,ch->vh", dz, h_c, preferred_element_type=acc)
+            return dw_b, dh_c
+
+        dw_b, dh_b = jax.lax.scan(token_chunk, jnp.zeros((block, H), acc), xs)
+        dw_VH = jax.lax.dynamic_update_slice_in_dim(dw_VH, dw_b.astype(dw_VH.dtype), start, 0)
+        return (dh_nCH + dh_b, dw_VH), None
+
+    init = (jnp.zeros(xs[0].shape, acc), jnp.zeros(w_VH.shape, w_VH.dtype))
+    (dh, dw), _ = jax.lax.scan(vocab_block, init, jnp.arange(-(-V // block)))
     dy = np.zeros(y_N.shape, jax.dtypes.float0)
-    return dh.reshape(-1, H)[:N], dw.astype(w_VH.dtype), dy
+    return dh.reshape(-1, H)[:N].astype(h_NH.dtype), dw, dy
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def token_logprobs(h_NH: jax.Array, w_VH: jax.Array, y_N: jax.Array, *, chunk: int) -> jax.Array:
+def token_logprobs(
+    h_NH: jax.Array,
+    w_VH: jax.Array,
+    y_N: jax.Array,
+    *,
+    chunk: int,
+    vocab_block: int | None = None,
+) -> jax.Array:
     """``log softmax(W h_n)[y_n]`` for every token; differentiable in ``h`` and ``W``.
 
     Args:
@@ -107,12 +158,21 @@ def token_logprobs(h_NH: jax.Array, w_VH: jax.Array, y_N: jax.Array, *, chunk: i
       w_VH: the unembedding (``lm_head.weight`` or the tied embedding), float[V, H].
       y_N: int target ids in ``[0, V)``.
       chunk: tokens per chunk; ``0`` materializes the ``[N, V]`` logits (module docstring).
+      vocab_block: rows of ``W`` per block of the chunked backward (need not divide V; more than
+        V means V); ``None`` picks a divisor of V near 4096 (module docstring). Ignored when
+        the logits are materialized.
 
     Returns:
       float[N] logprobs in ``promote_types(W.dtype, float32)``.
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise ValueError(f"token_logprobs: chunk must be an int >= 0, got {chunk!r}")
+    if vocab_block is not None and (
+        isinstance(vocab_block, bool) or not isinstance(vocab_block, int) or vocab_block < 1
+    ):
+        raise ValueError(
+            f"token_logprobs: vocab_block must be None or an int >= 1, got {vocab_block!r}"
+        )
     if h_NH.ndim != 2 or w_VH.ndim != 2 or h_NH.shape[1] != w_VH.shape[1]:
         raise ValueError(
             f"token_logprobs: expected h[N, H] and W[V, H], got {h_NH.shape} and {w_VH.shape}"
@@ -121,4 +181,4 @@ def token_logprobs(h_NH: jax.Array, w_VH: jax.Array, y_N: jax.Array, *, chunk: i
         raise ValueError(f"token_logprobs: targets {y_N.shape} do not match h {h_NH.shape}")
     if chunk == 0 or chunk >= h_NH.shape[0]:
         return _materialized(h_NH, w_VH, y_N)
-    return _chunked(h_NH, w_VH, y_N, chunk)
+    return _chunked(h_NH, w_VH, y_N, chunk, _vocab_block(w_VH.shape[0], vocab_block))
