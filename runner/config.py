@@ -33,8 +33,9 @@ class ModelConfig:
     Hugging Face checkpoint directory (its ``config.json`` gives the architecture; the sizes are
     then unused). ``lora_rank > 0`` trains LoRA adapters (``lora_alpha`` 0 = the rank;
     ``lora_targets``: ``all-linear`` or ``q_proj,v_proj,...``) on a decoder, whose weights stay
-    frozen; ``dtype`` (float32 | bfloat16) and ``logprob_chunk`` (tokens per chunk of the
-    memory-bounded logprobs, 0 = materialized) apply to decoders."""
+    frozen; ``dtype`` (float32 | bfloat16), ``logprob_chunk`` (tokens per chunk of the
+    memory-bounded logprobs, 0 = materialized) and ``unroll_layers`` (unroll the layer loop
+    instead of scanning it: faster steps, compile time growing with depth) apply to decoders."""
 
     d_model: int = 64
     n_layers: int = 2
@@ -52,6 +53,7 @@ class ModelConfig:
     lora_alpha: float = 0.0
     lora_targets: str = "all-linear"
     logprob_chunk: int = 256
+    unroll_layers: bool = False
 
 
 #: The default task and its knobs (``[task.kwargs]`` of the calculator, `runner.tasks.calc`).
@@ -486,6 +488,9 @@ def rl_loss(cfg: Config):
                 f"config [rl].loss = {rl.loss!r} returned {type(term).__name__}, not a loss term "
                 "(a callable (logprobs, batch) -> (loss, metrics), e.g. a losses.fold)"
             )
+        from runner._client_loss import require_logprob_term
+
+        require_logprob_term(term, f"config [rl].loss = {rl.loss!r}")
         return term
     return losses.fold(
         losses.grpo(

@@ -475,6 +475,10 @@ def make_not_a_loss():
     return 42
 
 
+def make_critic_loss():
+    return losses.value_loss()
+
+
 def test_rl_loss_is_the_users_term_and_the_planner_treats_it_like_any_other(tmp_path):
     from runner.train import run
 
@@ -517,6 +521,8 @@ def test_rl_loss_is_the_users_term_and_the_planner_treats_it_like_any_other(tmp_
         ValueError, match=r"\[rl\].loss = '.*make_not_a_loss' returned int, not a loss term"
     ):
         load_config(TINY, [f'rl.loss="{HERE}:make_not_a_loss"'])
+    with pytest.raises(ValueError, match=r"make_critic_loss'.*takes values as its first argument"):
+        load_config(TINY, [f'rl.loss="{HERE}:make_critic_loss"'])
     with pytest.raises(ValueError, match=r"\[rl\].loss = 'nope:x': cannot import module 'nope'"):
         load_config(TINY, ['rl.loss="nope:x"'])
 

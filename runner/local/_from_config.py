@@ -5,7 +5,8 @@
 ``n_kv_heads``, ``head_dim``, ``rope_theta``) is a randomly initialized decoder of that family;
 ``path = "<dir>"`` is a Hugging Face checkpoint directory whose ``config.json`` gives the
 architecture and whose safetensors give the weights (the sizes are then unused). ``lora_rank > 0``
-trains LoRA adapters on a decoder; ``dtype`` and ``logprob_chunk`` apply to decoders.
+trains LoRA adapters on a decoder; ``dtype``, ``logprob_chunk`` and ``unroll_layers`` apply to
+decoders.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def local_trainer_config(
             ("n_kv_heads", 0),
             ("head_dim", 0),
             ("dtype", "float32"),
+            ("unroll_layers", False),
         ):
             if getattr(m, key, neutral) != neutral:
                 raise ValueError(
@@ -129,6 +131,7 @@ def local_trainer_config(
             seed=seed,
             checkpoint_dir=checkpoint_dir,
             logprob_chunk=chunk,
+            unroll_layers=bool(getattr(m, "unroll_layers", False)),
         )
     except ValueError as exc:
         raise ValueError(f"config [model]: {exc}") from None

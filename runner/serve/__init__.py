@@ -1,8 +1,9 @@
 """`runner.serve`: the local training server — `runner.local.LocalTrainer` behind the SDKs' wire.
 
-``python -m runner serve`` (docs/serve.md) serves the main job's models to the real, unmodified
-tinker SDK (0.38: JSON plus protobuf for ``forward_backward`` and sampling results) over
-loopback, so ``--backend tinker`` — and any third-party tinker code pointed at it with
+``python -m runner serve`` (docs/serve.md) serves the main job's models — a config's ``[model]``
+or a Hugging Face checkpoint directory, trained in full or through LoRA adapters — to the real,
+unmodified tinker SDK (0.38: JSON plus protobuf for ``forward_backward`` and sampling results)
+over loopback, so ``--backend tinker`` — and any third-party tinker code pointed at it with
 ``TINKER_BASE_URL`` — trains locally; and to the ``fireworks-ai`` training SDK (1.2.30: its JSON
 training client, streamed completions and the control plane of its managed path), so
 ``--backend fireworks`` runs against it with only the base URL changed. Layout:
@@ -33,17 +34,28 @@ from pathlib import Path
 from typing import Any
 
 from runner.serve._core import DEFAULT_PREFIXES, ServeConfig, ServeError, Server, build_app
-from runner.serve._engine import BaseModel, Engine, SampleBatcher, base_model_from_config
+from runner.serve._engine import (
+    BaseModel,
+    Engine,
+    LoraRequest,
+    SampleBatcher,
+    base_model_from_checkpoint,
+    base_model_from_config,
+    load_base_model,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
     "BaseModel",
+    "LoraRequest",
     "ServeConfig",
     "ServeError",
     "Server",
     "ServerThread",
+    "base_model_from_checkpoint",
     "base_model_from_config",
     "build_app",
+    "load_base_model",
     "make_server",
     "parse_model_flags",
     "serve_forever",
@@ -59,11 +71,14 @@ log = logging.getLogger("runner.serve")
 
 
 def parse_model_flags(flags: Sequence[str]) -> dict[str, BaseModel]:
-    """``NAME=CONFIG.toml`` flags as base models (none: examples/default.toml's as
-    `DEFAULT_MODEL`).
+    """``NAME=PATH`` flags as base models (none: examples/default.toml's as `DEFAULT_MODEL`).
+
+    ``PATH`` is a main-job config file (its ``[model]``: `base_model_from_config`) or a Hugging
+    Face checkpoint directory (Llama / Qwen2 / Qwen3: `base_model_from_checkpoint`).
 
     Raises:
-      ValueError: a malformed flag, a repeated name, or a config that does not validate.
+      ValueError: a malformed flag, a repeated name, or a path that is not a valid config or a
+        supported checkpoint directory (naming the flag and the path).
     """
     if not flags:
         return {DEFAULT_MODEL: base_model_from_config(DEFAULT_MODEL, DEFAULT_CONFIG)}
@@ -71,10 +86,10 @@ def parse_model_flags(flags: Sequence[str]) -> dict[str, BaseModel]:
     for flag in flags:
         name, sep, path = flag.partition("=")
         if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"--model expects NAME=CONFIG.toml, got {flag!r}")
+            raise ValueError(f"--model expects NAME=CONFIG.toml or NAME=MODEL_DIR, got {flag!r}")
         if name in models:
             raise ValueError(f"--model {name!r} is given twice")
-        models[name] = base_model_from_config(name, path)
+        models[name] = load_base_model(name, path)
     return models
 
 

@@ -6,21 +6,29 @@ Every method here that touches JAX or the disk is blocking: flavours call them t
 `OrderedQueue`).
 
 **Base models** (`BaseModel`): a name served by the server and the `LocalTrainerConfig` it
-builds (the ``[model]`` section of a main-job config, the character tokenizer's vocabulary, the
-config's ``[run].seed`` as the initialization seed). **Training models** (`TrainingModel`): one
-`LocalTrainer` each, trained with full weights whatever LoRA rank was asked for (the local
-trainer has no LoRA yet; `TrainingModel.is_lora` is False and the flavours report it).
+builds — the ``[model]`` section of a main-job config (the character tokenizer's vocabulary,
+the config's ``[run].seed`` as the initialization seed; `base_model_from_config`), or a Hugging
+Face checkpoint directory (Llama / Qwen2 / Qwen3; `base_model_from_checkpoint`).
+**Training models** (`TrainingModel`): one `LocalTrainer` each. ``create_model`` with a LoRA
+rank > 0 (`LoraRequest`) trains LoRA adapters of that rank on a decoder base (its weights
+frozen; `resolve_lora` gives the rule for alpha and the targets); the GPT-2-style toy has no
+LoRA and trains every weight whatever rank was asked for (`TrainingModel.is_lora` is False and
+the flavours report it).
 
-**Checkpoints** live under ``<state_dir>/runs/<model_id>/``: ``run.json`` (the base model) and
-the trainer's own layout (``trainer/state/<name>``, ``trainer/sampler/<name>.safetensors``,
-`runner.local.checkpoint`), so a restarted server loads a checkpoint saved before the restart.
-A `CheckpointRef` names one ``(model_id, kind, name)``; flavours format it (``tinker://...``).
+**Checkpoints** live under ``<state_dir>/runs/<model_id>/``: ``run.json`` (the base model, the
+LoRA settings trained, the initialization seed) and the trainer's own layout
+(``trainer/state/<name>``; sampler weights ``trainer/sampler/<name>.safetensors`` for the toy,
+``trainer/sampler/<name>/`` — a transformers directory, or a PEFT adapter with LoRA — for a
+decoder; `runner.local.checkpoint`), so a restarted server loads a checkpoint saved before the
+restart. A `CheckpointRef` names one ``(model_id, kind, name)``; flavours format it
+(``tinker://...``).
 
 **Sampling**: a sampling session (`SamplerEntry`) is a frozen copy of some weights. Requests
 arrive one prompt at a time; `SampleBatcher` coalesces those that arrive together with the same
 parameters into one `LocalTrainer.sample` call, each prompt at its random-stream index
 (`decode_seed`), so the runner's one ``sample`` call over N prompts (N requests) reproduces the
-local backend's single call exactly.
+local backend's single call exactly. A LoRA model's sampler samples as the trainer does (the
+frozen base plus the adapters, unmerged).
 """
 
 from __future__ import annotations
@@ -71,17 +79,46 @@ def decode_seed(seed: int | None) -> tuple[int, int]:
     return base, index
 
 
+#: LoRA alpha when neither the request nor the served config sets one: Tinker pins alpha to 32
+#: whatever the rank (the ``fireworks-ai`` SDK's ``DEFAULT_LORA_ALPHA``, which it sends for the
+#: same reason); tinker's ``LoraConfig`` has no alpha field.
+DEFAULT_LORA_ALPHA = 32.0
+#: The projections ``train_attn`` / ``train_mlp`` select (`runner.local.models.PROJECTIONS`).
+ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 @dataclasses.dataclass(frozen=True)
 class BaseModel:
-    """A served base model: its name, the trainer config it builds, where it came from."""
+    """A served base model: its name, the trainer config it builds, where it came from.
+
+    Attributes:
+      name: the served name (``create_model(base_model=name)``).
+      config: the `LocalTrainerConfig` of a new model (no LoRA: `resolve_lora` adds it).
+      source: the config file or checkpoint directory it came from.
+      lora_alpha: the served config's ``[model].lora_alpha`` (``None``: unset).
+      lora_targets: the served config's ``[model].lora_targets`` (``None``: all-linear).
+    """
 
     name: str
     config: Any  # LocalTrainerConfig
     source: str = ""
+    lora_alpha: float | None = None
+    lora_targets: tuple[str, ...] | None = None
 
     @property
     def max_seq_len(self) -> int:
         return int(self.config.max_seq_len)
+
+    @property
+    def supports_lora(self) -> bool:
+        """Whether ``create_model`` with a rank trains LoRA adapters (decoders only)."""
+        return self.config.decoder is not None
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
+        raise ValueError(f"served model name must be non-empty without spaces, got {name!r}")
 
 
 def base_model_from_config(name: str, path: str | Path) -> BaseModel:
@@ -90,19 +127,181 @@ def base_model_from_config(name: str, path: str | Path) -> BaseModel:
     The trainer config is the one ``--backend local`` builds from that file (`runner.train
     .make_trainer`: its ``[model]``, its tokenizer's vocabulary, ``[run].seed`` as the
     initialization seed), so a served model starts where a local run of the config starts.
+    Its ``[model].lora_rank`` is not used (the client's ``create_model`` rank decides); its
+    ``lora_alpha`` and ``lora_targets`` are the LoRA defaults of the models created from it.
     """
     import tempfile
 
     from runner.config import load_config
     from runner.train import make_trainer
 
-    if not isinstance(name, str) or not name.strip() or any(c.isspace() for c in name):
-        raise ValueError(f"served model name must be non-empty without spaces, got {name!r}")
+    _check_name(name)
     cfg = load_config(path, ["run.backend='local'"])
     with tempfile.TemporaryDirectory() as tmp:
         trainer = make_trainer(cfg, Path(tmp))
-    config = dataclasses.replace(trainer.config, checkpoint_dir=None)
-    return BaseModel(name=name, config=config, source=str(path))
+    config = dataclasses.replace(trainer.config, checkpoint_dir=None, lora=None)
+    targets = None
+    if config.decoder is not None and cfg.model.lora_targets != "all-linear":
+        targets = tuple(t.strip() for t in cfg.model.lora_targets.split(",") if t.strip())
+        bad = [t for t in targets if t not in (*ATTN_PROJECTIONS, *MLP_PROJECTIONS)]
+        if bad or not targets:
+            raise ValueError(
+                f"config [model].lora_targets: unknown module(s) {bad or targets}; expected "
+                f"'all-linear' or some of {[*ATTN_PROJECTIONS, *MLP_PROJECTIONS]}"
+            )
+    return BaseModel(
+        name=name,
+        config=config,
+        source=str(path),
+        lora_alpha=float(cfg.model.lora_alpha) if cfg.model.lora_alpha else None,
+        lora_targets=targets,
+    )
+
+
+def base_model_from_checkpoint(name: str, path: str | Path) -> BaseModel:
+    """A Hugging Face checkpoint directory (Llama / Qwen2 / Qwen3: ``config.json`` and
+    ``model.safetensors`` or a sharded index) as a base model: `LocalTrainer.from_pretrained`'s
+    model (float32, ``max_seq_len = min(max_position_embeddings, 4096)``, seed 0). The weights
+    are read once here, so a bad checkpoint fails at startup.
+
+    Raises:
+      ValueError: naming the file and the problem (no ``config.json``, an unsupported
+        architecture, missing or misshapen tensors).
+    """
+    from runner.local import LocalTrainer, LocalTrainerConfig
+
+    _check_name(name)
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is not a directory")
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{directory} has no config.json: not a Hugging Face checkpoint directory")
+    try:
+        config = LocalTrainerConfig.from_pretrained(directory)
+        LocalTrainer(config)  # reads and checks the weights
+    except (OSError, ValueError) as exc:
+        raise ValueError(str(exc).splitlines()[0]) from None
+    return BaseModel(name=name, config=config, source=str(directory))
+
+
+def load_base_model(name: str, path: str | Path) -> BaseModel:
+    """``--model NAME=PATH``: a Hugging Face checkpoint directory or a main-job config file.
+
+    Raises:
+      ValueError: naming ``--model NAME=PATH`` and the problem (no such path, a directory that
+        is not a supported checkpoint, a config that does not validate).
+    """
+    where = f"--model {name}={path}"
+    p = Path(path)
+    try:
+        if p.is_dir():
+            return base_model_from_checkpoint(name, p)
+        if not p.exists():
+            raise ValueError(
+                f"{p} does not exist (give a main-job config .toml or a Hugging Face checkpoint "
+                "directory)"
+            )
+        return base_model_from_config(name, p)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraRequest:
+    """The LoRA a client asked for in ``create_model`` (flavour-independent).
+
+    Attributes:
+      rank: the rank; 0 = full weights.
+      alpha: the scaling numerator asked for (``None``: `resolve_lora`'s rule).
+      train_attn / train_mlp: adapt the attention (q/k/v/o) / MLP (gate/up/down) projections.
+      train_unembed: adapt the unembedding (not supported: a user error on a decoder).
+      default_alpha: alpha when neither ``alpha`` nor the served config gives one.
+    """
+
+    rank: int
+    alpha: float | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
+    default_alpha: float = DEFAULT_LORA_ALPHA
+
+
+def resolve_lora(base: BaseModel, request: LoraRequest | None, seed: int) -> Any:
+    """The `runner.local.models.LoraConfig` a model of ``base`` trains (``None``: full weights).
+
+    - rank 0 (or no request): full weights; the GPT-2-style toy (no LoRA) also trains every
+      weight, whatever rank was asked for.
+    - targets: q/k/v/o_proj with ``train_attn``, gate/up/down_proj with ``train_mlp``, within
+      the served config's ``[model].lora_targets`` when it sets them; ``train_unembed`` is a
+      user error (the local trainer's LoRA adapts the projections only).
+    - alpha: the request's, else the served config's ``[model].lora_alpha``, else
+      ``request.default_alpha`` (`DEFAULT_LORA_ALPHA`, 32: Tinker's fixed alpha).
+    - the A matrices are initialized from ``seed`` (the model's initialization seed).
+
+    Raises:
+      ServeError: a user error naming the field.
+    """
+    from runner.local.models import LoraConfig
+
+    if request is None:
+        return None
+    rank = request.rank
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise user_error(f"create_model: lora rank must be an integer >= 0, got {rank!r}")
+    if rank == 0 or not base.supports_lora:
+        return None
+    if request.train_unembed:
+        raise user_error(
+            "create_model: train_unembed=True is not supported: the local trainer's LoRA adapts "
+            "the attention and MLP projections only (pass train_unembed=False)"
+        )
+    wanted = [
+        *(ATTN_PROJECTIONS if request.train_attn else ()),
+        *(MLP_PROJECTIONS if request.train_mlp else ()),
+    ]
+    if base.lora_targets is not None:
+        wanted = [t for t in wanted if t in base.lora_targets]
+    if not wanted:
+        allowed = "" if base.lora_targets is None else f" within {list(base.lora_targets)}"
+        raise user_error(
+            f"create_model: train_attn={request.train_attn}, train_mlp={request.train_mlp} "
+            f"leave no projection to adapt{allowed}"
+        )
+    alpha = request.alpha
+    if alpha is None:
+        alpha = base.lora_alpha if base.lora_alpha is not None else request.default_alpha
+    try:
+        return LoraConfig(rank=rank, alpha=alpha, targets=tuple(wanted), seed=int(seed))
+    except ValueError as exc:
+        raise user_error(f"create_model: {exc}") from None
+
+
+def _lora_record(lora: Any) -> dict[str, Any] | None:
+    if lora is None:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
+
+
+def _lora_from_record(record: Any, seed: int) -> Any:
+    from runner.local.models import LoraConfig
+
+    if record is None:
+        return None
+    return LoraConfig(
+        rank=int(record["rank"]),
+        alpha=float(record["alpha"]),
+        targets=tuple(record["targets"]),
+        seed=seed,
+    )
+
+
+def _sampling_config(cfg: Any) -> Any:
+    """The config a sampling engine of ``cfg``'s weights is built with: no checkpoint
+    directory, and a seed only where it determines frozen weights (a random-init decoder's
+    LoRA base); `Engine.run_samples` replaces the trainable parameters."""
+    seed = cfg.seed if cfg.lora is not None and cfg.pretrained is None else 0
+    lora = None if cfg.lora is None else dataclasses.replace(cfg.lora, seed=0)
+    return dataclasses.replace(cfg, seed=seed, lora=lora, checkpoint_dir=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,19 +315,41 @@ class CheckpointRef:
 
 @dataclasses.dataclass
 class TrainingModel:
-    """One training model: a `LocalTrainer` and what the flavours report about it."""
+    """One training model: a `LocalTrainer` and what the flavours report about it.
+
+    ``lora_rank`` is the rank the client asked for; `lora` is what the trainer trains (None:
+    every weight).
+    """
 
     model_id: str
     base: BaseModel
     trainer: Any  # LocalTrainer
     lora_rank: int | None = None
     flavour: str = ""
-    is_lora: bool = False  # full-weight training whatever rank was asked for
+
+    @property
+    def lora(self) -> Any:
+        """The trained `runner.local.models.LoraConfig` (``None``: full weights)."""
+        return self.trainer.config.lora
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora is not None
+
+    @property
+    def sampling_base(self) -> BaseModel:
+        """The base model of a sampler of this model's weights: the served base, its config
+        the one the weights belong to (a LoRA model's adapters)."""
+        return dataclasses.replace(self.base, config=_sampling_config(self.trainer.config))
 
 
 @dataclasses.dataclass
 class SamplerEntry:
-    """A sampling session: frozen weights of one base model."""
+    """A sampling session: frozen weights of one base model.
+
+    ``base.config`` is the trainer config the weights ``params`` belong to (a LoRA model's
+    sampler: the adapters, with the base's frozen weights; `TrainingModel.sampling_base`).
+    """
 
     sampler_id: str
     base: BaseModel
@@ -155,8 +376,8 @@ class Engine:
         self.state_dir = Path(state_dir)
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, SamplerEntry] = {}
-        self._engines: dict[str, Any] = {}
-        self._engine_params: dict[str, Any] = {}
+        self._engines: dict[Any, Any] = {}  # sampling config -> LocalTrainer
+        self._engine_params: dict[Any, Any] = {}  # sampling config -> the params it holds
         self._initial_params: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._value_fns: dict[tuple, Any] = {}
@@ -190,41 +411,88 @@ class Engine:
         base_name: str,
         *,
         seed: int | None = None,
+        lora: LoraRequest | None = None,
         lora_rank: int | None = None,
         flavour: str = "",
     ) -> TrainingModel:
-        """A new training model from a base model's initialization (``seed`` overrides it)."""
-        from runner.local import LocalTrainer
+        """A new training model from a base model's initialization (``seed`` overrides it).
 
+        Args:
+          lora: the LoRA asked for (`resolve_lora`); or ``lora_rank`` alone (the defaults).
+        """
         base = self.base(base_name)
-        run_dir = self.run_dir(model_id)
-        config = base.config
         if seed is not None:
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
                 raise user_error(f"seed must be an integer in [0, 2**31), got {seed!r}")
-            config = dataclasses.replace(config, seed=int(seed))
-        config = dataclasses.replace(config, checkpoint_dir=str(run_dir / "trainer"))
+        if lora is None and lora_rank is not None:
+            lora = LoraRequest(rank=lora_rank)
+        effective_seed = base.config.seed if seed is None else int(seed)
+        trained = resolve_lora(base, lora, effective_seed)
+        return self._create(
+            model_id, base, effective_seed, trained, lora.rank if lora else None, flavour
+        )
+
+    def _create(
+        self,
+        model_id: str,
+        base: BaseModel,
+        seed: int,
+        lora: Any,
+        requested_rank: int | None,
+        flavour: str,
+    ) -> TrainingModel:
+        from runner.local import LocalTrainer
+
+        run_dir = self.run_dir(model_id)
+        config = dataclasses.replace(
+            base.config, seed=seed, lora=lora, checkpoint_dir=str(run_dir / "trainer")
+        )
         make_dirs(run_dir)
         atomic_write_json(
             run_dir / "run.json",
             {
                 "model_id": model_id,
                 "base_model": base.name,
-                "lora_rank": lora_rank,
+                "lora_rank": requested_rank,
+                "lora": _lora_record(lora),
+                "seed": seed,
                 "created": time.time(),
             },
         )
-        model = TrainingModel(model_id, base, LocalTrainer(config), lora_rank, flavour)
+        model = TrainingModel(model_id, base, LocalTrainer(config), requested_rank, flavour)
         self.models[model_id] = model
         return model
 
-    def recorded_base(self, model_id: str) -> str:
-        """The base model a (possibly earlier) server recorded for ``model_id``."""
+    def _run_record(self, model_id: str) -> dict[str, Any]:
         path = self.run_dir(model_id) / "run.json"
         try:
-            return str(json.loads(path.read_text())["base_model"])
+            record = json.loads(path.read_text())
+            str(record["base_model"])
         except (OSError, ValueError, KeyError, TypeError):
             raise user_error(f"no training run {model_id!r} on this server") from None
+        return record
+
+    def recorded_base(self, model_id: str) -> str:
+        """The base model a (possibly earlier) server recorded for ``model_id``."""
+        return str(self._run_record(model_id)["base_model"])
+
+    def recorded_config(self, model_id: str) -> tuple[BaseModel, Any]:
+        """``(base model, trainer config)`` a recorded run trains: its base, its LoRA (none in a
+        record written before the server had LoRA) and its initialization seed."""
+        record = self._run_record(model_id)
+        base = self.base(str(record["base_model"]))
+        seed = record.get("seed")
+        seed = base.config.seed if not isinstance(seed, int) else seed
+        try:
+            lora = _lora_from_record(record.get("lora"), seed)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise user_error(f"training run {model_id!r}: unreadable LoRA record ({exc})") from None
+        if lora is not None and not base.supports_lora:
+            raise user_error(
+                f"training run {model_id!r} trained LoRA adapters, but base model {base.name!r} "
+                "is now served without LoRA support"
+            )
+        return base, dataclasses.replace(base.config, seed=seed, lora=lora)
 
     def create_from_checkpoint(
         self,
@@ -235,15 +503,17 @@ class Engine:
         base_override: str | None = None,
         flavour: str = "",
     ) -> TrainingModel:
-        """A new model with a checkpoint's weights (and optimizer state) — create-via-load."""
-        base_name = self.recorded_base(ref.model_id)
-        if base_override and base_override != base_name:
+        """A new model with a checkpoint's weights (and optimizer state) — create-via-load.
+
+        The new model trains what the checkpoint's model trained (its LoRA, its seed)."""
+        base, config = self.recorded_config(ref.model_id)
+        if base_override and base_override != base.name:
             raise user_error(
                 f"base_model {base_override!r} differs from the checkpoint's base model "
-                f"{base_name!r}"
+                f"{base.name!r}"
             )
-        lora = json.loads((self.run_dir(ref.model_id) / "run.json").read_text()).get("lora_rank")
-        model = self.create_model(model_id, base_name, lora_rank=lora, flavour=flavour)
+        requested = self._run_record(ref.model_id).get("lora_rank")
+        model = self._create(model_id, base, config.seed, config.lora, requested, flavour)
         try:
             self.load(model, ref, optimizer=optimizer)
         except BaseException:
@@ -257,13 +527,16 @@ class Engine:
     # -- checkpoints --------------------------------------------------------------------------
 
     def _state_path(self, ref: CheckpointRef) -> Path:
+        """A state's directory, or a sampler checkpoint's safetensors file: the toy's
+        ``sampler/<name>.safetensors``, a decoder's inside ``sampler/<name>/`` (its
+        ``model.safetensors``, or ``adapter_model.safetensors`` with LoRA)."""
         from runner.local import checkpoint
 
         checkpoint.check_name(ref.name)
         root = self.run_dir(ref.model_id) / "trainer"
         if ref.kind == "state":
             return root / "state" / ref.name
-        return root / "sampler" / f"{ref.name}.safetensors"
+        return _sampler_file(root / "sampler", ref.name)
 
     def exists(self, ref: CheckpointRef) -> bool:
         from runner.local import checkpoint
@@ -308,14 +581,15 @@ class Engine:
             raise user_error(f"no saved state {ref.name!r} for {ref.model_id}") from None
 
     def params_of(self, ref: CheckpointRef) -> tuple[BaseModel, Any]:
-        """A checkpoint's base model and weights (for a sampling session)."""
+        """A checkpoint's base model and weights (for a sampling session; a LoRA checkpoint's
+        base carries its LoRA config: `TrainingModel.sampling_base`)."""
         from runner.local import LocalTrainer
 
-        base = self.base(self.recorded_base(ref.model_id))
-        scratch = LocalTrainer(base.config)
+        base, config = self.recorded_config(ref.model_id)
+        scratch = LocalTrainer(config)
         probe = TrainingModel(ref.model_id, base, scratch)
         self.load(probe, ref, optimizer=False)
-        return base, scratch.params
+        return probe.sampling_base, scratch.params
 
     def list_checkpoints(self, model_id: str) -> list[dict[str, Any]]:
         """``{kind, name, time (UTC datetime), size_bytes}`` of each checkpoint, oldest first."""
@@ -328,9 +602,13 @@ class Engine:
             rows.append(_row("state", name, base / "CURRENT", _tree_size(base)))
         sampler = root / "sampler"
         if sampler.is_dir():
-            for path in sorted(sampler.glob("*.safetensors")):
-                if not path.name.startswith("."):
+            for path in sorted(sampler.iterdir()):
+                if path.name.startswith("."):
+                    continue
+                if path.is_file() and path.name.endswith(".safetensors"):
                     rows.append(_row("sampler", path.name[: -len(".safetensors")], path, None))
+                elif path.is_dir() and _sampler_file(sampler, path.name).is_file():
+                    rows.append(_row("sampler", path.name, _sampler_file(sampler, path.name), None))
         return sorted(rows, key=lambda r: r["time"])
 
     # -- training -----------------------------------------------------------------------------
@@ -403,8 +681,15 @@ class Engine:
 
     def base_params(self, base: BaseModel) -> Any:
         """A base model's initial weights (its config's seed)."""
-        self._sampling_engine(base)
-        return self._initial_params[base.name]
+        with self._lock:
+            params = self._initial_params.get(base.name)
+            if params is None:
+                from runner.local import LocalTrainer
+
+                trainer = LocalTrainer(base.config)
+                params = self._initial_params[base.name] = trainer.params
+                self._engines.setdefault(_sampling_config(base.config), trainer)
+            return params
 
     def sampler(self, sampler_id: Any) -> SamplerEntry:
         entry = self.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
@@ -412,23 +697,24 @@ class Engine:
             raise user_error(f"unknown sampling session {sampler_id!r}", 404)
         return entry
 
-    def _sampling_engine(self, base: BaseModel):
+    def _sampling_engine(self, entry: SamplerEntry):
+        """The `LocalTrainer` that samples ``entry`` (one per sampling config), its parameters
+        set to the entry's."""
+        key = _sampling_config(entry.base.config)
         with self._lock:
-            engine = self._engines.get(base.name)
+            engine = self._engines.get(key)
             if engine is None:
                 from runner.local import LocalTrainer
 
-                engine = LocalTrainer(base.config)
-                self._initial_params[base.name] = engine.params
-                self._engines[base.name] = engine
-            return engine
+                engine = self._engines[key] = LocalTrainer(key)
+        if self._engine_params.get(key) is not entry.params:
+            engine.set_params(entry.params)
+            self._engine_params[key] = entry.params
+        return engine
 
     def run_samples(self, entry: SamplerEntry, jobs: Sequence[SampleJob]) -> list[list[Sample]]:
         """One `LocalTrainer.sample` call for jobs that share their parameters (`SampleJob.key`)."""
-        engine = self._sampling_engine(entry.base)
-        if self._engine_params.get(entry.base.name) is not entry.params:
-            engine.set_params(entry.params)
-            self._engine_params[entry.base.name] = entry.params
+        engine = self._sampling_engine(entry)
         first = jobs[0]
         return engine.sample(
             [j.prompt for j in jobs],
@@ -444,10 +730,7 @@ class Engine:
         """float32[len(prompt)]: NaN at position 0, then each prompt token's logprob."""
         out = np.full((prompt.shape[0],), np.nan, np.float32)
         if prompt.shape[0] >= 2:
-            engine = self._sampling_engine(entry.base)
-            if self._engine_params.get(entry.base.name) is not entry.params:
-                engine.set_params(entry.params)
-                self._engine_params[entry.base.name] = entry.params
+            engine = self._sampling_engine(entry)
             (lp,) = engine.forward([Seq(prompt.astype(np.int64))])
             out[1:] = np.asarray(lp, np.float32)
         return out
@@ -476,6 +759,19 @@ class Engine:
     def close(self) -> None:
         self.models.clear()
         self.samplers.clear()
+
+
+def _sampler_file(sampler: Path, name: str) -> Path:
+    """The safetensors file of sampler checkpoint ``name`` under ``sampler/`` (the toy's
+    ``<name>.safetensors``; a decoder's ``<name>/model.safetensors`` or, with LoRA,
+    ``<name>/adapter_model.safetensors``); the toy's path when none exists."""
+    flat = sampler / f"{name}.safetensors"
+    directory = sampler / name
+    if not flat.is_file() and directory.is_dir():
+        for fname in ("adapter_model.safetensors", "model.safetensors"):
+            if (directory / fname).is_file():
+                return directory / fname
+    return flat
 
 
 def _row(kind: str, name: str, stamp: Path, size: int | None) -> dict[str, Any]:

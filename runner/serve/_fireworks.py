@@ -25,9 +25,11 @@ in the SDK's ``response_tokens``); ``forward_backward`` requires every kernel in
 ``create_model`` result advertises ``supports_reinforce`` (the kernel table's ``reinforce``).
 
 What this flavour does not implement (a user error says so): image chunks, targets that are not
-the next tokens, reference (``base_only``) models, projection heads, ``load_adapter``, LoRA
-(trained as full weights; the rank is recorded), ``merged_base`` exports, checkpoint TTLs,
-serverless ``<account>/run-<id>/<name>`` references, RDMA weight sync and router replay.
+the next tokens, reference (``base_only``) models, projection heads, ``load_adapter``, LoRA on
+the unembedding or with another ``init_method`` than kaiming (LoRA of a rank > 0 trains adapters
+on a decoder base; the toy model trains full weights, the rank recorded), ``merged_base``
+exports, checkpoint TTLs, serverless ``<account>/run-<id>/<name>`` references, RDMA weight sync
+and router replay.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from runner.serve._core import (
     retrieve,
     user_error,
 )
+from runner.serve._engine import LoraRequest
 from runner.serve._fw_control import (
     SAMPLER_TYPES,
     ControlPlane,
@@ -287,6 +290,22 @@ class FireworksFlavour:
         rank = int(lora.rank) if lora is not None else 0
         if rank < 0:
             raise user_error(f"create_model: lora_config.rank must be >= 0, got {rank}")
+        request = None
+        if lora is not None:
+            if rank and base.supports_lora and lora.init_method not in (None, "kaiming"):
+                raise user_error(
+                    f"create_model: lora_config.init_method {lora.init_method!r} is not "
+                    "supported (the local trainer's LoRA initializes as 'kaiming')"
+                )
+            # the SDK sends alpha (default 32); None asks for the backend's default, 2·rank
+            request = LoraRequest(
+                rank=rank,
+                alpha=None if lora.alpha is None else float(lora.alpha),
+                train_attn=bool(lora.train_attn),
+                train_mlp=bool(lora.train_mlp),
+                train_unembed=bool(lora.train_unembed),
+                default_alpha=2.0 * rank,
+            )
         fut = server.futures.create("CreateModel")
         session.model_seq[req.model_seq_id] = fut.request_id
 
@@ -295,7 +314,7 @@ class FireworksFlavour:
                 model_id,
                 base.name,
                 seed=lora.seed if lora is not None else None,
-                lora_rank=rank,
+                lora=request,
                 flavour=self.name,
             )
 

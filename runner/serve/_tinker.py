@@ -42,7 +42,7 @@ from runner.serve._core import (
     retrieve,
     user_error,
 )
-from runner.serve._engine import CheckpointRef, SampleJob, decode_seed
+from runner.serve._engine import CheckpointRef, LoraRequest, SampleJob, decode_seed
 
 #: ``tinker://`` path segment of each checkpoint kind, and back.
 KIND_SEGMENT = {"state": "weights", "sampler": "sampler_weights"}
@@ -295,13 +295,22 @@ async def create_model(server: Server, request: web.Request) -> web.Response:
     lora = req.lora_config
     fut = server.futures.create("CreateModel")
     session.model_seq[req.model_seq_id] = fut.request_id
+    # tinker's LoraConfig has no alpha: the engine's rule (the served config's, else 32)
+    request = None
+    if lora is not None:
+        request = LoraRequest(
+            rank=lora.rank,
+            train_attn=bool(lora.train_attn),
+            train_mlp=bool(lora.train_mlp),
+            train_unembed=bool(lora.train_unembed),
+        )
 
     def build():
         return server.engine.create_model(
             model_id,
             req.base_model,
             seed=lora.seed if lora is not None else None,
-            lora_rank=lora.rank if lora is not None else None,
+            lora=request,
             flavour=TinkerFlavour.name,
         )
 
@@ -338,9 +347,10 @@ async def get_info(server: Server, request: web.Request) -> web.Response:
             "model_id": model.model_id,
             "model_data": {"arch": "foldloss-local-transformer", "model_name": model.base.name},
             "model_name": model.base.name,
-            # The truth: the local trainer trains every weight, whatever LoRA rank was asked for.
+            # The truth: LoRA adapters of this rank on a decoder; every weight on the toy model,
+            # whatever rank was asked for.
             "is_lora": model.is_lora,
-            "lora_rank": None,
+            "lora_rank": model.lora.rank if model.is_lora else None,
         }
     )
 
@@ -453,7 +463,7 @@ async def save_weights_for_sampler(server: Server, request: web.Request) -> web.
             sampler_id = session.sampler_seq.get(seq)
             if sampler_id is None:
                 sampler_id = f"{session.session_id}:sample:{seq}"
-                server.engine.new_sampler(sampler_id, model.base, model.trainer.params)
+                server.engine.new_sampler(sampler_id, model.sampling_base, model.trainer.params)
                 session.sampler_seq[seq] = sampler_id
             return Payload(
                 json={"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
