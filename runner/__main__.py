@@ -68,8 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         default=[],
-        metavar="NAME=CONFIG.toml",
-        help="serve the [model] of CONFIG.toml as base model NAME (repeatable; default: "
+        metavar="NAME=PATH",
+        help="serve base model NAME: the [model] of a config PATH.toml, or a Hugging Face "
+        "checkpoint directory PATH (Llama / Qwen2 / Qwen3; repeatable; default: "
         "examples/default.toml as foldloss/default)",
     )
     s.add_argument(

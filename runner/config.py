@@ -170,13 +170,17 @@ class TinkerConfig:
     """Tinker API settings (``--backend tinker``; docs/tinker.md): hosted Tinker, a self-hosted
     Tinker-API engine, or the local server (``python -m runner serve``). The API key is read from
     the environment variable named by ``api_key_env`` and never stored in the config.
-    ``lora_rank``: the LoRA rank asked for (the local server trains full weights and says so).
+    ``lora_rank``: the LoRA rank asked for (on the local server: adapters on a decoder; the
+    GPT-2-style toy trains full weights and says so). ``train_unembed``: adapt the unembedding
+    too (Tinker's own default is true; false here, like the local backend's LoRA, so a run
+    compares with ``--backend local``; the local server refuses true).
     ``request_timeout_s``: how long to wait for any one result. ``connect_timeout_s``: the bound
     on reaching ``base_url`` before any SDK call (offline or unreachable: one error line)."""
 
     base_url: str = "https://tinker.thinkingmachines.dev/services/tinker-prod"
     base_model: str = ""
     lora_rank: int = 32
+    train_unembed: bool = False
     api_key_env: str = "TINKER_API_KEY"
     request_timeout_s: float = 3600.0
     connect_timeout_s: float = 10.0

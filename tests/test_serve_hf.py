@@ -316,3 +316,30 @@ def test_unroll_layers_is_a_model_key_for_decoders_only(tmp_path):
         load_config(ROOT / "examples" / "tiny.toml", ["model.unroll_layers=true"])
     with pytest.raises(ValueError, match=r"\[model\]\.unroll_layers must be true or false"):
         load_config(ROOT / "examples" / "tiny.toml", [*sets, "model.unroll_layers=1"])
+
+
+def test_fireworks_promotion_of_a_decoder_is_a_loadable_checkpoint_directory(tmp_path, hf_dir):
+    pytest.importorskip("fireworks.training.sdk")
+    from tests.test_serve_fireworks import ADAM, BASE, connect, fireworks_server
+
+    st = fireworks_server(tmp_path / "state", parse_model_flags([f"{BASE}={hf_dir}"]))
+    try:
+        t = connect(st)
+        seqs = _seqs(2, seed=4)
+        t.forward_backward(seqs, "cross_entropy")
+        t.optim_step(ADAM, "none")
+        promotable = t.save_promotable("p1")
+        model = t.control_plane.promote_checkpoint(
+            name=promotable["checkpoint_resource"], output_model_id="m-1", base_model=BASE
+        )
+        trained = st.server.engine.models[t.client.model_id].trainer
+        t.close()
+    finally:
+        st.stop()
+    assert model["kind"] == "HF_BASE_MODEL"
+    promoted = Path(model["weights"])
+    assert (promoted / "config.json").is_file()  # the whole transformers directory
+    _, want = trained.forward(seqs)
+    _, got = LocalTrainer.from_pretrained(promoted).forward(seqs)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

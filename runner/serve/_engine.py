@@ -538,6 +538,13 @@ class Engine:
             return root / "state" / ref.name
         return _sampler_file(root / "sampler", ref.name)
 
+    def sampler_dir(self, ref: CheckpointRef) -> Path | None:
+        """A decoder's sampler checkpoint directory (a transformers directory, or a PEFT
+        adapter with LoRA); ``None`` for the toy's single safetensors file."""
+        path = self._state_path(ref)
+        flat = self.run_dir(ref.model_id) / "trainer" / "sampler" / f"{ref.name}.safetensors"
+        return None if ref.kind != "sampler" or path == flat else path.parent
+
     def exists(self, ref: CheckpointRef) -> bool:
         from runner.local import checkpoint
 

@@ -405,7 +405,10 @@ class ControlPlane:
                 },
                 "trainingShape": request.query.get("trainingShape"),
                 "statusMessage": (
-                    "LoRA is trained as full weights by the local server" if rank else ""
+                    "LoRA is trained as full weights by the local server (the base model has no "
+                    "LoRA support)"
+                    if rank and not base.supports_lora
+                    else ""
                 ),
                 "_checkpoints": [],
                 "_models": [],
@@ -516,13 +519,27 @@ class ControlPlane:
             if model_id in self.models:
                 raise user_error(f"promote: model {output} already exists", 409)
         ref = CheckpointRef(row["model_id"], row["kind"], row["ref_name"])
-        source = server.engine._state_path(ref)
-        target = self.root / "models" / f"{model_id}.safetensors"
+        # The toy's sampler weights are one safetensors file; a decoder's are a transformers
+        # directory (config.json + model.safetensors), or a PEFT adapter directory under LoRA:
+        # promoted as Fireworks' LoRA add-on kind.
+        directory = server.engine.sampler_dir(ref)
+        source = directory or server.engine._state_path(ref)
+        if directory is not None:
+            target = self.root / "models" / model_id
+            kind = (
+                "HF_PEFT_ADDON" if (source / "adapter_config.json").is_file() else "HF_BASE_MODEL"
+            )
+        else:
+            target = self.root / "models" / f"{model_id}.safetensors"
+            kind = "HF_BASE_MODEL"
 
         def copy() -> None:
             make_dirs(target.parent)
             tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
-            shutil.copyfile(source, tmp)
+            if directory is not None:
+                shutil.copytree(source, tmp)
+            else:
+                shutil.copyfile(source, tmp)
             tmp.replace(target)
 
         try:
@@ -534,7 +551,7 @@ class ControlPlane:
         model = {
             "name": output,
             "state": "READY",
-            "kind": "HF_BASE_MODEL",
+            "kind": kind,
             "baseModel": base_model,
             "checkpoint": f"{self.job_name(job_id)}/checkpoints/{short}",
             "createTime": _now(),

@@ -532,13 +532,17 @@ def _first_line(text: str) -> str:
 def connect(tcfg: Any, api_key: str, *, seed: int) -> tuple[Any, Any, Any]:
     """``(service, training client, rest client)`` from a ``[tinker]`` section.
 
-    A LoRA training client of ``base_model`` with ``lora_rank`` and the run's seed (the local
-    server uses it as the initialization seed, so a run on it reproduces ``--backend local``).
+    A LoRA training client of ``base_model`` with ``lora_rank``, ``train_unembed`` and the run's
+    seed (the local server uses it as the initialization seed, so a run on it reproduces
+    ``--backend local``).
     """
     service = tinker.ServiceClient(base_url=tcfg.base_url, api_key=api_key)
     try:
         future = service.create_lora_training_client(
-            tcfg.base_model, rank=int(tcfg.lora_rank), seed=int(seed)
+            tcfg.base_model,
+            rank=int(tcfg.lora_rank),
+            seed=int(seed),
+            train_unembed=bool(tcfg.train_unembed),
         )
         client = future.result(timeout=tcfg.request_timeout_s)
         rest = tinker.RestClient(base_url=tcfg.base_url, api_key=api_key)
