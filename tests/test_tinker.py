@@ -9,7 +9,6 @@ completes with the same result or raises one `TinkerRequestError` line.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import os
@@ -17,7 +16,6 @@ import shutil
 import time
 import uuid
 import warnings
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -25,7 +23,6 @@ import pytest
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("aiohttp")
-from aiohttp import web  # noqa: E402
 
 import losses  # noqa: E402
 from benchmarks.synthetic import multi_turn_seqs  # noqa: E402
@@ -36,95 +33,14 @@ from runner.config import load_config  # noqa: E402
 from runner.local import LocalTrainer  # noqa: E402
 from runner.serve import ServeConfig, ServerThread, parse_model_flags  # noqa: E402
 from runner.tinker import BUILTIN_LOSSES, TinkerRequestError, TinkerTrainer, make_trainer  # noqa: E402
+from tests.wire_helpers import TINY, Faults, refused_port, status, try_again, user_error  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "examples" / "tiny.toml"
 MODEL = "foldloss/tiny"
 KEY_ENV = "FOLDLOSS_TEST_TINKER_KEY"
 KEY = f"tml-{uuid.uuid4().hex}"
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
 TERM = losses.fold(losses.grpo(kl_coef=0.0), losses.echo_env(coef=0.2))
-
-
-class Faults:
-    """A server middleware answering matching requests with canned replies.
-
-    `add` a rule: requests to ``path`` (and, for ``retrieve_future``, of the SDK's
-    ``X-Tinker-Request-Type``) are answered by ``reply(request)`` ``count`` times after
-    ``skip`` matching requests passed through. With ``on_result``, a ``retrieve_future`` is
-    served first and only a finished result counts (and is replaced): the fault lands on the
-    ``skip + 1``-th result whatever the long polls in between. ``hits`` counts the faults.
-    """
-
-    def __init__(self) -> None:
-        self.rules: list[dict] = []
-        self.hits: dict[str, int] = {}
-
-    def add(self, name, *, path, reply, request_type=None, count=1, skip=0, on_result=False):
-        self.rules.append(
-            dict(
-                name=name,
-                path=path,
-                reply=reply,
-                type=request_type,
-                count=count,
-                skip=skip,
-                on_result=on_result,
-            )
-        )
-
-    def clear(self) -> None:
-        self.rules.clear()
-
-    @property
-    def middleware(self):
-        @web.middleware
-        async def faults(request, handler):
-            for rule in self.rules:
-                if not request.path.endswith(rule["path"]) or rule["count"] <= 0:
-                    continue
-                if rule["type"] and request.headers.get("X-Tinker-Request-Type") != rule["type"]:
-                    continue
-                if rule["on_result"]:
-                    response = await handler(request)
-                    if b'"try_again"' in (getattr(response, "body", b"") or b""):
-                        return response
-                    if rule["skip"] > 0:
-                        rule["skip"] -= 1
-                        return response
-                    rule["count"] -= 1
-                    self.hits[rule["name"]] = self.hits.get(rule["name"], 0) + 1
-                    return rule["reply"](request)
-                if rule["skip"] > 0:
-                    rule["skip"] -= 1
-                    continue
-                rule["count"] -= 1
-                self.hits[rule["name"]] = self.hits.get(rule["name"], 0) + 1
-                reply = rule["reply"](request)
-                return await reply if inspect.isawaitable(reply) else reply
-            return await handler(request)
-
-        return faults
-
-
-def try_again(request):
-    return web.json_response({"type": "try_again", "request_id": "x", "queue_state": "active"})
-
-
-def status(code, body=None, **headers):
-    def reply(request):
-        return web.json_response(
-            body or {"error": f"injected {code}", "category": "server"},
-            status=code,
-            headers=headers,
-        )
-
-    return reply
-
-
-def user_error(request):
-    return web.json_response({"error": "injected: bad datum 0", "category": "user"})
 
 
 @pytest.fixture(scope="module")
@@ -236,11 +152,7 @@ def test_tinker_config_rules_and_the_key_is_never_echoed(monkeypatch):
 
 
 def test_an_unreachable_service_fails_fast_in_one_line(monkeypatch):
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = refused_port()  # a port nothing listens on
     monkeypatch.setenv(KEY_ENV, KEY)
     cfg = load_config(
         TINY,

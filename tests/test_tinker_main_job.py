@@ -18,17 +18,11 @@ Either way the per-step metrics equal the local run's and the final parameters a
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("tinker")
@@ -36,27 +30,30 @@ pytest.importorskip("aiohttp")
 
 from runner import __main__ as cli  # noqa: E402
 from runner import checkpoints as ckpt  # noqa: E402
-from runner.config import load_config  # noqa: E402
 from runner.serve import ServeConfig, ServerThread, parse_model_flags  # noqa: E402
-from runner.serve._tinker import parse_tinker_path  # noqa: E402
-from tests.test_tinker import Faults, status, try_again, user_error  # noqa: E402
+from tests.wire_helpers import (  # noqa: E402
+    TINY,
+    Faults,
+    ServeProcess,
+    assert_no_key,
+    assert_same_metrics,
+    assert_weights_close,
+    final_weights,
+    kill_the_runner_then_the_server,
+    one_error_line,
+    status,
+    subprocess_env,
+    try_again,
+    user_error,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "examples" / "tiny.toml"
 MODEL = "foldloss/tiny"
 KEY_ENV = "FOLDLOSS_TEST_TINKER_MAIN_KEY"
 KEY = f"tml-SENTINEL-{uuid.uuid4().hex}"
-COMPARED = ("sft/nll", "reward", "loss", "grpo/loss", "echo_env/nll", "eval_reward")
-COUNTED = ("passes/forwards", "passes/backwards", "plan/client", "tokens")
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TINKER_TELEMETRY="0")
-    env[KEY_ENV] = KEY
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp_path.parent / "jax-cache"))
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    return env
+    return subprocess_env(tmp_path, {KEY_ENV: KEY})
 
 
 def _train_args(out: Path, *extra: str) -> list[str]:
@@ -86,43 +83,9 @@ def _tinker_args(url: str, timeout_s: float = 60.0) -> list[str]:
     return ["--backend", "tinker", *(a for s in sets for a in ("--set", s))]
 
 
-def _records(run_dir: Path) -> dict[int, dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    steps = [r["step"] for r in records]
-    assert steps == sorted(set(steps)), f"a step is missing or repeated: {steps}"
-    return {r["step"]: r for r in records}
-
-
-def _final_weights(run_dir: Path, state_dir: Path | None = None) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    root = run_dir / "checkpoints"
-    manifest = ckpt.read_manifest(root, ckpt.latest_step(root))
-    path = manifest["promotable"]["snapshot_path"]
-    if state_dir is None:
-        return load_file(run_dir / path)
-    ref = parse_tinker_path(path)
-    return load_file(
-        state_dir / "runs" / ref.model_id / "trainer" / "sampler" / f"{ref.name}.safetensors"
-    )
-
-
 def _assert_same_run(got_dir, want_dir, got_state, want_state=None):
-    got, want = _records(got_dir), _records(want_dir)
-    assert sorted(got) == sorted(want) == list(range(len(want)))
-    for step, w in want.items():
-        g = got[step]
-        for key in COMPARED:
-            if key in w:
-                assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-9), (step, key)
-        for key in COUNTED:
-            if key in w:
-                assert g[key] == w[key], (step, key)
-    a, b = _final_weights(got_dir, got_state), _final_weights(want_dir, want_state)
-    assert a.keys() == b.keys()
-    for name in a:
-        np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)
+    assert_same_metrics(got_dir, want_dir)
+    assert_weights_close(final_weights(got_dir, got_state), final_weights(want_dir, want_state))
 
 
 def _assert_tinker_manifests(run_dir: Path) -> None:
@@ -139,22 +102,6 @@ def _assert_tinker_manifests(run_dir: Path) -> None:
         assert r["checkpoint_name"] == p["snapshot_name"] == m["saved_as"]
 
 
-def _assert_no_key(*texts: str, dirs: tuple[Path, ...] = ()) -> None:
-    for text in texts:
-        assert KEY not in text
-    for d in dirs:
-        for path in d.rglob("*"):
-            if path.is_file():
-                assert KEY.encode() not in path.read_bytes(), path
-
-
-def _one_error_line(stderr: str) -> str:
-    lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
-    return lines[0]
-
-
 # -- processes ------------------------------------------------------------------------------
 
 
@@ -167,97 +114,29 @@ def local_cli_run(tmp_path_factory):
     return out / "tiny"
 
 
-class _Server:
-    """``python -m runner serve`` on an ephemeral port (stopped by the test)."""
-
-    def __init__(self, state: Path, env: dict[str, str], log: Path) -> None:
-        cmd = [sys.executable, "-m", "runner", "serve", "--port", "0", "--api-key-env", KEY_ENV]
-        cmd += ["--model", f"{MODEL}=examples/tiny.toml", "--state-dir", str(state)]
-        self.log = log
-        self._log = open(log, "a")  # noqa: SIM115 - closed by stop()
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True
-        )
-        line = self.proc.stdout.readline().strip()
-        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", line), (line, log.read_text()[-2000:])
-        self.url = line
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=60)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        self.proc.stdout.close()
-        self._log.close()
-
-
-def _wait_for_step(proc, marker: Path, step: int, timeout_s: float = 600) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        text = marker.read_text().strip() if marker.exists() else ""
-        if text and int(text) >= step:
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before step {step}: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.05)
-    pytest.fail(f"no checkpoint of step {step} within {timeout_s} s")
+def _server(state: Path, env: dict[str, str], log: Path) -> ServeProcess:
+    return ServeProcess(state, env, log, models=[f"{MODEL}=examples/tiny.toml"], key_envs=[KEY_ENV])
 
 
 def test_sigkill_and_a_killed_server_resume_to_the_local_run(local_cli_run, tmp_path):
     env = _env(tmp_path)
     state, out, log = tmp_path / "state", tmp_path / "runs", tmp_path / "server.log"
-    marker = out / "tiny" / "checkpoints" / "latest"
-    train = [sys.executable, "-m", "runner"]
-    server = _Server(state, env, log)
-    try:
-        # 1. the runner is killed with SIGKILL after the checkpoint of step 2
-        r1 = subprocess.Popen(
-            [*train, *_train_args(out, *_tinker_args(server.url))],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        _wait_for_step(r1, marker, 2)
-        r1.send_signal(signal.SIGKILL)
-        r1.wait(timeout=60)
-        # 2. resumed; the server is killed mid-run: the runner stops with one error line
-        r2 = subprocess.Popen(
-            [*train, *_train_args(out, "--resume", *_tinker_args(server.url, timeout_s=8.0))],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        _wait_for_step(r2, marker, 4)
-        server.kill()
-        _, err = r2.communicate(timeout=300)
-        assert r2.returncode == 2
-        line = _one_error_line(err)
+
+    def argv(url: str, phase: str) -> list[str]:
+        if phase == "start":
+            return _train_args(out, *_tinker_args(url))
+        return _train_args(out, "--resume", *_tinker_args(url, 8.0 if phase == "resume" else 60.0))
+
+    def check_error(err: str, url: str) -> None:
+        line = one_error_line(err)
         assert "Tinker (http://127.0.0.1:" in line or "cannot reach the Tinker service" in line
-        stopped_at = ckpt.latest_step(out / "tiny" / "checkpoints")
-        assert 4 <= stopped_at < load_config(TINY).total_steps
-    finally:
-        server.stop()
-    # 3. a new server on the same state directory (another port); the run resumes there
-    server = _Server(state, env, log)
-    try:
-        r3 = subprocess.run(
-            [*train, *_train_args(out, "--resume", *_tinker_args(server.url))],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert r3.returncode == 0, r3.stderr[-3000:]
-    finally:
-        server.stop()
+
+    err, r3 = kill_the_runner_then_the_server(
+        out, env, lambda: _server(state, env, log), argv, check_error
+    )
     _assert_same_run(out / "tiny", local_cli_run, state)
     _assert_tinker_manifests(out / "tiny")
-    _assert_no_key(r3.stdout, r3.stderr, err, log.read_text(), dirs=(out, state))
+    assert_no_key(KEY, r3.stdout, r3.stderr, err, log.read_text(), dirs=(out, state))
 
 
 # -- in process, with faults ----------------------------------------------------------------
@@ -298,7 +177,7 @@ def test_faults_on_the_wire_stop_cleanly_and_resume_to_the_local_run(
         capsys.readouterr()
         assert cli.main(args) == 2
         err1 = capsys.readouterr().err
-        line = _one_error_line(err1)
+        line = one_error_line(err1)
         assert "optim_step" in line and "Promise expired" in line
         assert ckpt.latest_step(out / "tiny" / "checkpoints") == 4
         assert faults.hits["poll"] == 60 and faults.hits["429"] == 2 and faults.hits["410"] == 1
@@ -309,7 +188,7 @@ def test_faults_on_the_wire_stop_cleanly_and_resume_to_the_local_run(
         )
         assert cli.main([*args, "--resume"]) == 2
         err2 = capsys.readouterr().err
-        assert "(user error)" in _one_error_line(err2) and "injected: bad datum 0" in err2
+        assert "(user error)" in one_error_line(err2) and "injected: bad datum 0" in err2
         assert ckpt.latest_step(out / "tiny" / "checkpoints") == 4
         # no faults: the resume completes
         faults.clear()
@@ -317,4 +196,4 @@ def test_faults_on_the_wire_stop_cleanly_and_resume_to_the_local_run(
         done = capsys.readouterr()
     _assert_same_run(out / "tiny", local_cli_run, state)
     _assert_tinker_manifests(out / "tiny")
-    _assert_no_key(err1, err2, done.out, done.err, dirs=(out, state))
+    assert_no_key(KEY, err1, err2, done.out, done.err, dirs=(out, state))
