@@ -478,6 +478,18 @@ def _validate_task(cfg: Config) -> None:
         )
 
 
+def reference_reason(cfg: Config) -> str | None:
+    """Why the run needs a frozen reference model (its RL loss reads ``ref_logprobs``), as the
+    config says it — ``"[rl].kl_coef > 0"`` or ``"[rl].loss = '...' (reads ref_logprobs)"`` —
+    or ``None``. A custom loss that does not declare what it reads (``Term.reads`` is None) is
+    taken not to need one (its own error names the missing field)."""
+    if "ref_logprobs" not in (getattr(rl_loss(cfg), "reads", None) or ()):
+        return None
+    if cfg.rl.loss:
+        return f"[rl].loss = {cfg.rl.loss!r} (reads ref_logprobs)"
+    return "[rl].kl_coef > 0"
+
+
 def rl_loss(cfg: Config):
     """The RL loss term: ``[rl].loss`` (``"package.module:function"``, called with
     ``[rl].loss_kwargs``) when set, else ``fold(grpo, echo_env)`` from the ``[rl]`` knobs."""

@@ -28,7 +28,7 @@ from runner._digests import tree_digests
 from runner._lock import check_unlocked, run_lock
 from runner._protocols import Capabilities, Trainer, capabilities, require
 from runner._step import StepRunner
-from runner.config import Config, rl_loss
+from runner.config import Config, reference_reason, rl_loss
 from runner.job import build_job, build_tokenizer, check_job
 from runner.steps import eval_nll, eval_problems, evaluate, rl_step, sft_step
 
@@ -182,9 +182,10 @@ def _reference_trainer(
     before the checkpoint (the file is verified before it is loaded); ``None``: the reference
     is (re)created from the current policy (a resume from before RL, or a fresh RL start).
     """
+    reason = reference_reason(cfg)
     if cfg.run.backend != "local":
         raise ValueError(
-            "[rl].kl_coef > 0 needs a reference model; it is supported on the local backend only"
+            f"{reason} needs a reference model; it is supported on the local backend only"
         )
     ref_path = run_dir / REFERENCE_FILE
     if recorded is None:
@@ -192,13 +193,13 @@ def _reference_trainer(
     else:
         ckpt.verify_files(run_dir, recorded, "path", "KL reference")
     reference = make_trainer(cfg, run_dir / "reference_trainer")
-    require(reference, "trainer", "loads_weights", why=_KL_WHY.format(kl=cfg.rl.kl_coef))
+    require(reference, "trainer", "loads_weights", why=_KL_WHY.format(reason=reason))
     reference.load_weights(str(ref_path))
     return reference
 
 
 _KL_WHY = (
-    "[rl].kl_coef = {kl} > 0 needs a frozen reference model: the policy's weights are saved with "
+    "{reason} needs a frozen reference model: the policy's weights are saved with "
     "save_weights_for_sampler and loaded into a second trainer of the same backend with "
     "load_weights (the local backend has both)"
 )
@@ -250,8 +251,9 @@ def check_capabilities(cfg: Config, trainer: Any, *, start: int = 1) -> Capabili
             ("rich_checkpoints", "checkpointing"),
             why=f"the run writes a checkpoint at its last step{every}",
         )
-    if cfg.rl.kl_coef > 0 and rl_left:
-        require(caps, "loads_weights", "checkpointing", why=_KL_WHY.format(kl=cfg.rl.kl_coef))
+    reason = reference_reason(cfg)
+    if reason is not None and rl_left:
+        require(caps, "loads_weights", "checkpointing", why=_KL_WHY.format(reason=reason))
     return caps
 
 
@@ -441,7 +443,7 @@ def run(
                         metrics.update(data_metrics)
                         phase = "sft"
                     else:
-                        if reference is None and cfg.rl.kl_coef > 0:
+                        if reference is None and reference_reason(cfg) is not None:
                             reference = _reference_trainer(cfg, trainer, run_dir, reference_record)
                             reference_record = {
                                 "path": REFERENCE_FILE,

@@ -479,6 +479,36 @@ def make_critic_loss():
     return losses.value_loss()
 
 
+def make_kl_loss():
+    return losses.grpo(kl_coef=0.1)
+
+
+def test_a_users_loss_reading_ref_logprobs_gets_the_reference_model(tmp_path):
+    # The reference model follows what the loss reads, not the [rl].kl_coef knob.
+    from runner.config import reference_reason
+    from runner.train import run
+
+    sets = [f'run.output_dir="{tmp_path}"', "sft.steps=1", "rl.steps=1", "checkpoint.interval=0"]
+    cfg = load_config(TINY, [*sets, f'rl.loss="{HERE}:make_kl_loss"', "rl.kl_coef=0.0"])
+    assert reference_reason(cfg) == f"[rl].loss = '{HERE}:make_kl_loss' (reads ref_logprobs)"
+    result = run(cfg, progress=False)
+    (rl,) = [r for r in result.metrics if r["phase"] == "rl"]
+    assert "kl" in rl and math.isfinite(rl["kl"])
+    assert (result.run_dir / "reference.safetensors").is_file()
+    assert reference_reason(load_config(TINY, ["rl.kl_coef=0.1"])) == "[rl].kl_coef > 0"
+    assert reference_reason(load_config(TINY, [f'rl.loss="{HERE}:make_plain_loss"'])) is None
+    with pytest.raises(ValueError, match=r"make_kl_loss' \(reads ref_logprobs\) needs a frozen"):
+        load_config(
+            TINY,
+            [
+                *sets,
+                f'rl.loss="{HERE}:make_kl_loss"',
+                "run.backend='tinker'",
+                "tinker.base_model='m'",
+            ],
+        )
+
+
 def test_rl_loss_is_the_users_term_and_the_planner_treats_it_like_any_other(tmp_path):
     from runner.train import run
 

@@ -135,10 +135,14 @@ def validate_static(cfg: Any) -> None:
         )
     if f.output_model_id:
         check_output_model_id(f.output_model_id)
-    if cfg.rl.kl_coef > 0:
+    from runner.config import reference_reason
+
+    reason = reference_reason(cfg)
+    if reason is not None:
         raise ValueError(
-            "config [rl].kl_coef > 0 needs a frozen reference model, which is supported on the "
-            "local backend only; set it to 0 for backend 'fireworks'"
+            f"config {reason} needs a frozen reference model, which is supported on the "
+            "local backend only; set [rl].kl_coef to 0 (or use a loss without ref_logprobs) for "
+            "backend 'fireworks'"
         )
 
 

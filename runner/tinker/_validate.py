@@ -45,10 +45,14 @@ def validate_static(cfg: Any) -> None:
             "config [run].output_dir must be set for backend 'tinker': the run's manifests are "
             "the only record of its tinker:// checkpoint identities"
         )
-    if cfg.rl.kl_coef > 0:
+    from runner.config import reference_reason
+
+    reason = reference_reason(cfg)
+    if reason is not None:
         raise ValueError(
-            "config [rl].kl_coef > 0 needs a frozen reference model, which is supported on the "
-            "local backend only; set it to 0 for backend 'tinker'"
+            f"config {reason} needs a frozen reference model, which is supported on the "
+            "local backend only; set [rl].kl_coef to 0 (or use a loss without ref_logprobs) for "
+            "backend 'tinker'"
         )
 
 
