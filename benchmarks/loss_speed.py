@@ -115,6 +115,50 @@ def foldloss_fn(client: ClientLoss):
     return run
 
 
+def foldloss_split(client: ClientLoss, lps, seqs, calls: int) -> dict:
+    """Where one warm `foldloss_fn` call's time goes (median ms over ``calls`` calls).
+
+    ``pad``: filling the padded host buffers (`runner._padding.pad_fields`); ``jit``: the jitted
+    loss + gradient + value check, from dispatch until its outputs are ready; ``rest``: the
+    call's Python (length and field checks, the per-sequence weight views, the metrics). Times
+    the adapter's internals by wrapping them for these calls only (restored afterwards).
+    """
+    import runner._client_loss as impl
+
+    spent = {"pad": 0, "jit": 0}
+
+    def timed(fn, key, block=False):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            out = fn(*args, **kwargs)
+            if block:
+                jax.block_until_ready(out)
+            spent[key] += time.perf_counter_ns() - t0
+            return out
+
+        return call
+
+    pad, jits = impl.pad_fields, client._jits
+    impl.pad_fields = timed(pad, "pad")
+    client._jits = {k: tuple(timed(f, "jit", block=True) for f in v) for k, v in jits.items()}
+    fl = foldloss_fn(client)
+    parts: dict[str, list[float]] = {"pad": [], "jit": [], "rest": [], "total": []}
+    try:
+        fl(lps, seqs)
+        for _ in range(calls):
+            spent.update(pad=0, jit=0)
+            t0 = time.perf_counter_ns()
+            fl(lps, seqs)
+            total = time.perf_counter_ns() - t0
+            parts["pad"].append(spent["pad"] / 1e6)
+            parts["jit"].append(spent["jit"] / 1e6)
+            parts["rest"].append((total - spent["pad"] - spent["jit"]) / 1e6)
+            parts["total"].append(total / 1e6)
+    finally:
+        impl.pad_fields, client._jits = pad, jits
+    return {k: _common.median(v) for k, v in parts.items()}
+
+
 # -- numpy ---------------------------------------------------------------------------------------
 
 
@@ -457,6 +501,7 @@ def run_config(b: int, t: int, repeats: int, torch_repeats: int, torch_fns: dict
     res["foldloss_over_bound"] = _common.median(per_repeat)
     res["foldloss_over_bound_best"] = min(per_repeat)
     res["foldloss_over_bound_of_medians"] = res["foldloss_ms"] / res["bound_ms"]
+    res["split"] = foldloss_split(client, lps, seqs, calls=3 * repeats)
     nv, ng, _ = numpy_loss(lps, seqs)
     res["numpy_check"] = _check(ref_value, ref_neg, nv, ng)
     # The torch closures, each timed beside foldloss (alternating), so every ratio compares
@@ -568,6 +613,23 @@ def main(argv: list[str] | None = None) -> dict:
             "foldloss/bound",
         ],
         rows,
+    )
+    md += "\n\n" + _common.table(
+        "Where foldloss's time goes (median ms over back-to-back warm calls; pad = host padding, "
+        "jit = jitted loss + gradient + value check until ready, rest = Python)",
+        ["B", "T", "pad ms", "jit ms", "rest ms", "total ms", "bound ms"],
+        [
+            [
+                r["B"],
+                r["T"],
+                r["split"]["pad"],
+                r["split"]["jit"],
+                r["split"]["rest"],
+                r["split"]["total"],
+                r["bound_ms"],
+            ]
+            for r in results
+        ],
     )
     if families:
         fb, ft = configs[-1]

@@ -33,7 +33,9 @@ from runner._padding import (
     aligned_zeros,
     batch_field_names,
     bucket,
+    pad_fields,
     row_bucket,
+    row_views,
     seqs_to_batch,
 )
 from runner._protocols import Trainer
@@ -52,19 +54,31 @@ CPU_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type": "",
     "xla_disable_hlo_passes": "tree_reduction_rewriter",
 }
+#: Buckets of at most this many entries (rows × length) also skip XLA:CPU's parallel task
+#: assignment (`SMALL_BUCKET_PASSES`): splitting the few elementwise ``[B, T]`` fusions over the
+#: thread pool costs more in dispatch than it saves there (jitted call -13% at ``[64, 1024]``,
+#: -4-5% at ``[64, 4096]`` / ``[256, 1024]`` on the 2-core benchmark machine; at ``[256, 4096]``
+#: runs disagreed, so larger buckets keep the split). Only the scheduling changes: results are
+#: bit-identical, and each bucket still compiles once (in one of the two jits).
+SMALL_BUCKET = 1 << 18
+SMALL_BUCKET_PASSES = "cpu-parallel-task-assigner"
 
 
 @functools.cache
-def _compiler_options(backend: str) -> dict[str, str] | None:
-    """`CPU_COMPILER_OPTIONS` when they apply to ``backend`` and this XLA accepts them."""
+def _compiler_options(backend: str, small: bool = False) -> dict[str, str] | None:
+    """`CPU_COMPILER_OPTIONS` when they apply to ``backend`` and this XLA accepts them (with
+    ``small``: also without parallel task assignment, for buckets up to `SMALL_BUCKET`)."""
     if backend != "cpu" or "xla_disable_hlo_passes" in os.environ.get("XLA_FLAGS", ""):
         return None
+    options = dict(CPU_COMPILER_OPTIONS)
+    if small:
+        options["xla_disable_hlo_passes"] += "," + SMALL_BUCKET_PASSES
     try:
-        probe = jax.jit(lambda x: x.sum(), compiler_options=CPU_COMPILER_OPTIONS)
+        probe = jax.jit(lambda x: x.sum(), compiler_options=options)
         probe.lower(np.zeros((2, 2), np.float32)).compile()
     except Exception:  # an XLA without these options: compile with its defaults
-        return None
-    return dict(CPU_COMPILER_OPTIONS)
+        return None if not small else _compiler_options(backend)
+    return options
 
 
 @dataclasses.dataclass
@@ -83,11 +97,6 @@ class PassCounter:
 
     def as_metrics(self) -> dict[str, float]:
         return {"passes/forwards": float(self.forwards), "passes/backwards": float(self.backwards)}
-
-
-def _structure(lp_BT: Any, batch: Any) -> Any:
-    """The input tree structure, which fixes a term's (value, metrics) structure."""
-    return jax.tree.structure((lp_BT, batch))
 
 
 def _pack_scalars(tree: Any) -> tuple[jax.Array, Any]:
@@ -126,7 +135,7 @@ class ClientLoss:
         self._lock = threading.Lock()
         # One set of padded host buffers kept for the next call of the same bucket: fresh large
         # allocations page-fault on first write, which costs as much as the padding itself.
-        self._spare: tuple[tuple, list[np.ndarray], list[np.ndarray]] | None = None
+        self._spare: tuple[tuple, _Buffers] | None = None
         self._spare_lock = threading.Lock()
 
         def traced(lp_BT, batch):
@@ -135,36 +144,43 @@ class ClientLoss:
 
         value_and_grad = jax.value_and_grad(traced, has_aux=True)
 
-        # The (value, metrics) treedef of each traced input structure (set at trace time; a term's
-        # outputs depend on which batch fields are present, not on their shapes).
+        # The (value, metrics) treedef of each (kind, spec) (set at trace time; a term's outputs
+        # depend on which batch fields are present, not on their shapes).
         self._treedefs: dict[Any, Any] = {}
 
-        def value_and_weights(lp_BT, batch, tied):
+        # The jitted functions take the padded fields as a flat tuple and build the `losses.Batch`
+        # inside the trace (``spec`` = the field and normalizer names, static): no host `Batch`
+        # per call, and the arguments flatten in C++.
+        def value_and_weights(lp_BT, arrays, norm_values, spec):
             # The linear CE pass needs -dL/dlogprobs: negating inside the jit is free (fused).
             # The loss, the metrics and whether any entry is invalid (the value rules of
             # `losses.check_batch`, one fused pass) come back as one vector: one host transfer.
-            batch = _tie(batch, tied)
+            batch = _make_batch(spec, arrays, norm_values)
             (value, metrics), grad = value_and_grad(lp_BT, batch)
             bad = losses.any_violation(batch, lp_BT)
             packed, treedef = _pack_scalars((value, dict(metrics), bad))
-            self._treedefs[_structure(lp_BT, batch)] = treedef
+            self._treedefs[("grad", spec)] = treedef
             return packed, -grad
 
-        options = _compiler_options(jax.default_backend())
-        self._value_and_weights = jax.jit(
-            value_and_weights, static_argnums=2, compiler_options=options
-        )
-
-        def value_only(lp_BT, batch, tied):
+        def value_only(lp_BT, arrays, norm_values, spec):
             # The builtin path's metrics: the term's value and metrics, no gradient.
-            batch = _tie(batch, tied)
+            batch = _make_batch(spec, arrays, norm_values)
             value, metrics = term(lp_BT, batch)
             bad = losses.any_violation(batch, lp_BT)
             packed, treedef = _pack_scalars((value, dict(metrics), bad))
-            self._treedefs[("value", _structure(lp_BT, batch))] = treedef
+            self._treedefs[("value", spec)] = treedef
             return packed
 
-        self._value_only = jax.jit(value_only, static_argnums=2, compiler_options=options)
+        # Per kind: (the jit for larger buckets, the jit for buckets up to `SMALL_BUCKET`).
+        backend = jax.default_backend()
+        large, small = _compiler_options(backend), _compiler_options(backend, small=True)
+        self._jits: dict[str, tuple[Any, Any]] = {}
+        for kind, fn in (("grad", value_and_weights), ("value", value_only)):
+            big = jax.jit(fn, static_argnums=3, compiler_options=large)
+            little = (
+                big if small == large else jax.jit(fn, static_argnums=3, compiler_options=small)
+            )
+            self._jits[kind] = (big, little)
 
     def shapes(self, seqs: Sequence[Seq]) -> tuple[int, int]:
         """The ``(rows, length)`` bucket the sequences pad to (`runner._padding` rules)."""
@@ -225,13 +241,9 @@ class ClientLoss:
           ValueError: a value breaks a rule (naming sequence, target and rule); nothing is
             returned for such a batch.
         """
-        (packed, weights), lp_BT, batch, lengths = self._run(
-            self._value_and_weights, logprobs, seqs, norms
-        )
+        (packed, weights), spec, lengths = self._run("grad", logprobs, seqs, norms)
         weights = np.asarray(weights)  # the host buffer itself on CPU (read-only)
-        value, metrics = self._unpack(
-            self._treedefs[_structure(lp_BT, batch)], packed, seqs, logprobs, norms
-        )
+        value, metrics = self._unpack(self._treedefs[("grad", spec)], packed, seqs, logprobs, norms)
         return value, metrics, RaggedArrays(weights, lengths)
 
     def value_and_metrics(
@@ -245,9 +257,8 @@ class ClientLoss:
         The same value checks as `value_and_weights`, in its own jitted function (no gradient
         is computed or transferred).
         """
-        packed, lp_BT, batch, _ = self._run(self._value_only, logprobs, seqs, norms)
-        treedef = self._treedefs[("value", _structure(lp_BT, batch))]
-        return self._unpack(treedef, packed, seqs, logprobs, norms)
+        packed, spec, _ = self._run("value", logprobs, seqs, norms)
+        return self._unpack(self._treedefs[("value", spec)], packed, seqs, logprobs, norms)
 
     def check(
         self,
@@ -268,20 +279,22 @@ class ClientLoss:
         except ValueError as exc:
             raise ValueError(f"client loss input: {exc}") from None
 
-    def _run(self, fn, logprobs, seqs, norms):
-        """Pads ``logprobs`` and the fields into reused aligned buffers and runs ``fn``."""
+    def _run(self, kind, logprobs, seqs, norms):
+        """Pads ``logprobs`` and the fields into reused aligned buffers and runs the ``kind`` jit.
+
+        Returns ``(outputs, spec, lengths)``.
+        """
         if len(logprobs) != len(seqs):
             raise ValueError(f"got {len(logprobs)} logprob arrays for {len(seqs)} sequences")
-        lengths, arrays = [], []
-        for i, (lp, s) in enumerate(zip(logprobs, seqs, strict=True)):
-            lp = np.asarray(lp)
-            if lp.shape != (s.num_targets,):
-                raise ValueError(
-                    f"sequence {i}: logprobs have shape {lp.shape}, expected ({s.num_targets},)"
-                )
-            lengths.append(s.num_targets)
-            arrays.append(lp)
-        rows, length = self.shapes(seqs)
+        arrays = [lp if type(lp) is np.ndarray else np.asarray(lp) for lp in logprobs]
+        lengths = [len(s.tokens) - 1 for s in seqs]  # `Seq.num_targets`
+        if [a.shape for a in arrays] != [(n,) for n in lengths]:
+            for i, (a, n) in enumerate(zip(arrays, lengths, strict=True)):
+                if a.shape != (n,):
+                    raise ValueError(
+                        f"sequence {i}: logprobs have shape {a.shape}, expected ({n},)"
+                    )
+        rows, length = row_bucket(len(lengths)), bucket(max(lengths), self.length_buckets)
         # A trainer's padded forward in this very bucket and dtype is the input as it is.
         given = logprobs.padded if isinstance(logprobs, RaggedArrays) else None
         reuse_lp = (
@@ -289,32 +302,51 @@ class ClientLoss:
             and given.shape == (rows, length)
             and given.dtype == np.dtype(self.dtype)
         )
-        names = (*(() if reuse_lp else ("logprobs",)), *batch_field_names(seqs))
-        key = (rows, length, names)
+        names = batch_field_names(seqs)
+        columns = [[s.inputs[name] for s in seqs] for name in names]
+        for name, col in zip(names, columns, strict=True):
+            # Every field is padded to the sequences' row lengths (one ``dirty`` for the set).
+            try:
+                ok = list(map(len, col)) == lengths
+            except TypeError:  # a 0-d array
+                ok = False
+            if not ok:
+                _raise_field_shape(name, col, lengths)
+        if not reuse_lp:
+            columns.insert(0, arrays)
+        key = (rows, length, names if reuse_lp else ("logprobs", *names))
         # Aligned host buffers are used by XLA:CPU in place (no copy). They are refilled only
         # after the computation that read them has finished (its outputs are on the host), and
-        # only their previously filled entries are re-zeroed (``dirty``: per-row filled length).
-        bufs, dirty = self._take_buffers(key, len(names))
-        padded = seqs_to_batch(
-            seqs,
-            length=length,
-            rows=rows,
-            norms=norms,
-            dtype=self.dtype,
-            out=dict(zip(names, bufs, strict=True)),
-            dirty=dict(zip(names, dirty, strict=True)),
-            count_in_term=True,  # norms=None: the term counts them, fused into the jit
-            logprobs=None if reuse_lp else arrays,
+        # only their previously filled entries are re-zeroed (``dirty``: per-row filled length,
+        # one array for the whole set, since every field of a row has the same length).
+        buffers = self._take_buffers(key, len(columns))
+        pad_fields(
+            columns,
+            length,
+            rows,
+            self.dtype,
+            out=buffers.host,
+            dirty=[buffers.dirty] * len(columns),
+            lengths=np.array(lengths, np.int64),
+            views=buffers.views,
         )
-        lp_BT, batch = (given, padded) if reuse_lp else padded
-        # Without its own old_logprobs a sequence's anchor is its sampling_logprobs: one buffer,
-        # read once inside the jit (not as two arguments that XLA reads separately).
-        tied = batch.sampling_logprobs is not None and batch.old_logprobs is batch.sampling_logprobs
+        inputs = buffers.inputs
+        lp_BT, fields = (given, tuple(inputs)) if reuse_lp else (inputs[0], tuple(inputs[1:]))
+        # Carried normalizers travel as one vector (one argument), in name order (so that
+        # the same names always trace the same function).
+        norm_names: tuple[str, ...] = ()
+        norm_values = None
+        if norms:
+            norm_names = tuple(sorted(norms))
+            values = [np.asarray(norms[k], dtype=self.dtype) for k in norm_names]
+            norm_values = np.stack(values) if all(v.ndim == 0 for v in values) else tuple(values)
+        spec = (names, norm_names)
+        fn = self._jits[kind][rows * length <= SMALL_BUCKET]
         with self._lock:
-            out = fn(lp_BT, batch, tied)
+            out = fn(lp_BT, fields, norm_values, spec)
         jax.block_until_ready(out)
-        self._give_back(key, bufs, dirty)
-        return out, lp_BT, batch, lengths
+        self._give_back(key, buffers)
+        return out, spec, lengths
 
     def _unpack(self, treedef, packed, seqs, logprobs, norms):
         value, metrics, bad = jax.tree.unflatten(treedef, np.asarray(packed).tolist())
@@ -325,18 +357,17 @@ class ClientLoss:
             )
         return value, metrics
 
-    def _take_buffers(self, key: tuple, count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def _take_buffers(self, key: tuple, count: int) -> _Buffers:
         with self._spare_lock:
             spare, self._spare = self._spare, None
         if spare is not None and spare[0] == key:
-            return spare[1], spare[2]
+            return spare[1]
         rows, length = key[0], key[1]
-        bufs = [aligned_zeros((rows, length), self.dtype) for _ in range(count)]
-        return bufs, [np.zeros(rows, np.int64) for _ in range(count)]
+        return _Buffers.make(count, (rows, length), self.dtype)
 
-    def _give_back(self, key: tuple, bufs: list[np.ndarray], dirty: list[np.ndarray]) -> None:
+    def _give_back(self, key: tuple, buffers: _Buffers) -> None:
         with self._spare_lock:
-            self._spare = (key, bufs, dirty)
+            self._spare = (key, buffers)
 
     def __call__(
         self,
@@ -400,9 +431,63 @@ def require_logprob_term(term: Any, where: str) -> None:
         )
 
 
-def _tie(batch: losses.Batch, tied: bool) -> losses.Batch:
-    """``batch`` with ``old_logprobs`` the very array ``sampling_logprobs`` when ``tied``."""
-    return batch.replace(old_logprobs=batch.sampling_logprobs) if tied else batch
+def _make_batch(spec: tuple, arrays: tuple, norm_values: Any) -> losses.Batch:
+    """The `losses.Batch` of the padded ``arrays`` (named by ``spec``) and the normalizers.
+
+    Without its own ``old_logprobs`` a sequence's anchor is its ``sampling_logprobs`` (the
+    `losses.Batch` default): one buffer, read once inside the jit.
+    """
+    names, norm_names = spec
+    fields = dict(zip(names, arrays, strict=True))
+    if norm_names:
+        values = norm_values if isinstance(norm_values, tuple) else list(norm_values)
+        fields.update(zip(norm_names, values, strict=True))
+    return losses.Batch(**fields)
+
+
+def _raise_field_shape(name: str, column: Sequence[np.ndarray], lengths: Sequence[int]) -> None:
+    """The `runner.validate_seqs` error for the first row of ``column`` of the wrong shape."""
+    for i, (a, n) in enumerate(zip(column, lengths, strict=True)):
+        if np.shape(a) != (n,):
+            raise ValueError(
+                f"sequence {i}: field '{name}' has shape {np.shape(a)}, expected ({n},) "
+                f"(one entry per target token: len(tokens) - 1)"
+            )
+
+
+@dataclasses.dataclass
+class _Buffers:
+    """One set of padded host buffers of a bucket, reused from call to call.
+
+    ``host``: the 64-byte aligned numpy buffers (filled in place); ``views``: their row views
+    (`runner._padding.row_views`, made once); ``dirty``: int64 ``[rows]``, how many leading
+    entries of each row may be non-zero (in every buffer); ``inputs``: what the jitted call
+    takes, the JAX arrays that alias ``host`` when XLA aliases them (made once: converting each
+    numpy argument costs ~5-10 us per call), else ``host`` itself.
+    """
+
+    host: list[np.ndarray]
+    views: list[np.ndarray]
+    dirty: np.ndarray
+    inputs: list[Any]
+
+    @classmethod
+    def make(cls, count: int, shape: tuple[int, int], dtype: Any) -> _Buffers:
+        host = [aligned_zeros(shape, dtype) for _ in range(count)]
+        inputs: list[Any] = host
+        if jax.default_backend() == "cpu":
+            arrays = [jax.device_put(h) for h in host]
+            # Only a true alias sees the refills; otherwise keep handing over the numpy buffers.
+            if all(_aliases(a, h) for a, h in zip(arrays, host, strict=True)):
+                inputs = arrays
+        return cls(host, row_views(host), np.zeros(shape[0], np.int64), inputs)
+
+
+def _aliases(array: Any, host: np.ndarray) -> bool:
+    try:
+        return array.unsafe_buffer_pointer() == host.ctypes.data
+    except Exception:  # pragma: no cover - a runtime without buffer pointers
+        return False
 
 
 def _valid_norms(norms: Mapping[str, float]) -> bool:

@@ -14,6 +14,9 @@ between them; benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
+import itertools
+import operator
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -85,7 +88,8 @@ class RaggedArrays(list):
     """
 
     def __init__(self, padded: np.ndarray, lengths: Sequence[int]):
-        super().__init__(padded[i, :n] for i, n in enumerate(lengths))
+        # Iterating a 2-D array yields its row views from C (cheaper than ``padded[i, :n]``).
+        super().__init__([row[:n] for row, n in zip(padded, lengths, strict=False)])
         self.padded = padded
 
 
@@ -112,6 +116,8 @@ def pad_fields(
     dtype=np.float32,
     out: Sequence[np.ndarray] | None = None,
     dirty: Sequence[np.ndarray] | None = None,
+    lengths: np.ndarray | None = None,
+    views: Sequence[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
     """Right-pads several ragged fields into zero ``[rows, length]`` arrays, row by row.
 
@@ -127,7 +133,12 @@ def pad_fields(
       dirty: with ``out``, optional int64 ``[rows]`` arrays (one per field): how many leading
         entries of each row of ``out`` may be non-zero. Then only entries beyond the new lengths
         are zeroed (not whole buffers), and ``dirty`` is updated in place. Without ``dirty`` a
-        given ``out`` is zeroed whole first.
+        given ``out`` is zeroed whole first. Fields may share one ``dirty`` array (the same
+        object) when their rows have equal lengths: it is then read and updated once.
+      lengths: optional int64 ``[n]`` row lengths that every field's arrays have (saves
+        counting them per field; the caller guarantees it).
+      views: optional ``row_views(out)``, kept by a caller that reuses ``out`` (saves making
+        the row views on every call).
 
     Returns:
       The padded arrays, one per field.
@@ -152,26 +163,50 @@ def pad_fields(
         raise ValueError(
             f"pad_fields: fields have {[len(c) for c in columns]} rows for {rows} padded rows"
         )
-    # Row-major: each source row is read once while its destinations are written (better
-    # locality than one field after another, ~25% faster on a [256, 4096] batch).
+    # Row-major (row 0 of every field, then row 1, ...): each source row is read once while its
+    # destinations are written, better locality than field by field on a [256, 4096] batch
+    # (~5%). Every copy is ``view[:len(a)] = a``, driven by `map` from C: no Python bytecode
+    # per row (~0.04 ms less than a Python loop at [64, 1024] x 6 fields, of ~0.35 ms).
     # A value beyond the padded dtype becomes inf here; the value check after padding
     # (`losses.any_violation`) reports it, so numpy need not warn.
+    sources = list(itertools.chain.from_iterable(zip(*columns, strict=True)))
+    if views is None:
+        views = row_views(out)
     with np.errstate(over="ignore"):
-        for i in range(n_rows):
-            for k in range(count):
-                a = columns[k][i]
-                out[k][i, : a.shape[0]] = a
-    if dirty is not None:  # zero what the previous fill left beyond the new lengths
-        for k in range(count):
-            d, o = dirty[k], out[k]
-            new = np.fromiter((a.shape[0] for a in columns[k]), np.int64, n_rows)
-            for i in np.flatnonzero(d[:n_rows] > new):
-                o[i, new[i] : d[i]] = 0
-            for i in np.flatnonzero(d[n_rows:]) + n_rows:
-                o[i, : d[i]] = 0
-            d[:n_rows] = new
-            d[n_rows:] = 0
+        deque(map(operator.setitem, views, map(slice, map(len, sources)), sources), maxlen=0)
+    if dirty is not None:
+        _zero_stale(columns, out, dirty, n_rows, lengths)
     return out
+
+
+def row_views(out: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The rows of several ``[rows, length]`` arrays as 1-D views, row-major: row 0 of each
+    array, then row 1 of each, ... (the order `pad_fields` fills them in)."""
+    return list(itertools.chain.from_iterable(zip(*out, strict=True)))
+
+
+def _zero_stale(columns, out, dirty, n_rows: int, lengths) -> None:
+    """Zeroes what a previous fill left beyond the new row lengths and updates ``dirty``.
+
+    Each distinct ``dirty`` array is compared with the new lengths once, before any update.
+    """
+    plans: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+    for col, d, o in zip(columns, dirty, out, strict=True):
+        plan = plans.get(id(d))
+        if plan is None:
+            new = lengths if lengths is not None else np.fromiter(map(len, col), np.int64, n_rows)
+            stale = np.flatnonzero(d[:n_rows] > new)
+            tail = np.flatnonzero(d[n_rows:]) + n_rows
+            plan = plans[id(d)] = (d, new, stale, tail)
+        _, new, stale, tail = plan
+        for i in stale:
+            o[i, new[i] : d[i]] = 0
+        for i in tail:
+            o[i, : d[i]] = 0
+    for d, new, _, tail in plans.values():
+        d[:n_rows] = new
+        if tail.size:
+            d[n_rows:] = 0
 
 
 def pad_ragged(
@@ -257,6 +292,11 @@ def batch_field_names(seqs: Sequence[Seq]) -> tuple[str, ...]:
     ``action_mask`` is required on every sequence; other fields must be present on all
     sequences or on none.
     """
+    if seqs:
+        # Fast path: every sequence carries the same field names (the usual batch).
+        first = seqs[0].inputs.keys()
+        if "action_mask" in first and all(s.inputs.keys() == first for s in seqs):
+            return tuple(name for name in BATCH_FIELDS if name in first)
     names = []
     for name in BATCH_FIELDS:
         present = [name in s.inputs for s in seqs]

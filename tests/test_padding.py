@@ -47,6 +47,57 @@ def test_reused_buffers_with_dirty_lengths_equal_fresh_padding(fills, seed):
             np.testing.assert_array_equal(d, list(lengths) + [0] * (ROWS - len(lengths)))
 
 
+@settings(max_examples=60, deadline=None)
+@given(fills=st.lists(ragged_batch, min_size=1, max_size=5), seed=st.integers(0, 2**16))
+def test_one_shared_dirty_array_with_given_lengths_equals_fresh_padding(fills, seed):
+    # The client loss's form: every field of a row has the row's length, so one ``dirty`` array
+    # (the same object for all fields) and the lengths are given once. Rows may be empty or
+    # exactly the padded length, and each fill may have more or fewer rows than the last.
+    rng = np.random.default_rng(seed)
+    out = [np.full((ROWS, LENGTH), np.nan, np.float32) for _ in range(3)]
+    dirty = np.full(ROWS, LENGTH, np.int64)
+    for lengths in fills:
+        columns = [[rng.normal(size=n) for n in lengths] for _ in range(3)]
+        got = pad_fields(
+            columns, LENGTH, ROWS, out=out, dirty=[dirty] * 3, lengths=np.array(lengths, np.int64)
+        )
+        for g, o, ref in zip(got, out, fresh_pad(columns), strict=True):
+            assert g is o
+            np.testing.assert_array_equal(g, ref)
+        np.testing.assert_array_equal(dirty, list(lengths) + [0] * (ROWS - len(lengths)))
+
+
+def test_pad_fields_casts_like_row_assignment():
+    # float64 beyond float32 becomes inf (reported later by the value check), without a warning;
+    # integer, bool and float16 rows are converted exactly.
+    import warnings
+
+    columns = [
+        [np.array([1e39, -1e39, 0.5]), np.array([1, 0], np.uint8)],
+        [np.array([True, False, True]), np.array([0.5, 1.0], np.float16)],
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = pad_fields(columns, 4, 2)
+    np.testing.assert_array_equal(got[0], [[np.inf, -np.inf, 0.5, 0], [1, 0, 0, 0]])
+    np.testing.assert_array_equal(got[1], [[1, 0, 1, 0], [0.5, 1, 0, 0]])
+
+
+def test_batch_field_names_fast_and_slow_paths_agree():
+    seqs, _ = make_seqs(np.random.default_rng(5), 3)
+    names = batch_field_names(seqs)
+    # Other (non-batch) keys that differ between sequences take the general path: same answer.
+    mixed = [
+        Seq(s.tokens, dict(s.inputs, **({"note": np.zeros(1)} if i else {})))
+        for i, s in enumerate(seqs)
+    ]
+    assert batch_field_names(mixed) == names
+    # A batch field only some sequences have is still named, with the first one lacking it.
+    lacking = [seqs[0], seqs[1], Seq(seqs[2].tokens, dict(seqs[2].inputs, weights=np.ones(1)))]
+    with pytest.raises(ValueError, match="sequence 0: missing field 'weights'"):
+        batch_field_names(lacking)
+
+
 def test_pad_without_dirty_zeroes_a_given_buffer_and_fresh_buffers_are_aligned():
     arrays = [np.arange(3.0), np.arange(5.0)]
     out = np.full((4, 8), 7.0, np.float32)
@@ -134,6 +185,60 @@ def test_reused_buffers_do_not_leak_between_calls_of_one_bucket():
     assert first[0] == fresh[0] and first[1] == fresh[1]
     for a, b in zip(first[2], fresh[2], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_small_and_large_bucket_jits_give_identical_results(monkeypatch):
+    # Buckets up to SMALL_BUCKET compile without XLA:CPU's parallel task assignment; that
+    # changes only how the work is scheduled, never a value.
+    import runner._client_loss as client_loss
+
+    seqs, lps = make_seqs(np.random.default_rng(6), 7)
+    small = ClientLoss(TERM, dtype=np.float32)
+    monkeypatch.setattr(client_loss, "SMALL_BUCKET", 0)  # every bucket takes the other jit
+    large = ClientLoss(TERM, dtype=np.float32)
+    got_large = large.value_and_weights(lps, seqs)
+    monkeypatch.undo()
+    got_small = small.value_and_weights(lps, seqs)
+    assert small.compile_count == large.compile_count == 1
+    assert got_small[0] == got_large[0] and got_small[1] == got_large[1]
+    for a, b in zip(got_small[2], got_large[2], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_reused_buffers_across_lengths_rows_and_norms_equal_fresh_calls():
+    # One adapter called with batches of other lengths and row counts (several of the same
+    # bucket, one of another in between), with and without carried normalizers in any key
+    # order, must give exactly what a fresh adapter gives each time; carried normalizers in
+    # another order must not compile again.
+    rng = np.random.default_rng(7)
+    reused = ClientLoss(TERM)
+    batches = [
+        make_seqs(rng, 8, lengths=(31, 33)),  # up to the bucket's full length (32)
+        make_seqs(rng, 3, lengths=(1, 6)),  # another bucket
+        make_seqs(rng, 5, lengths=(17, 20)),
+        make_seqs(rng, 8, lengths=(1, 3)),
+    ]
+    for seqs, lps in batches:
+        norms = normalizers(seqs)
+        for carried in (None, norms, dict(reversed(list(norms.items())))):
+            got = reused.value_and_weights(lps, seqs, carried)
+            want = ClientLoss(TERM).value_and_weights(lps, seqs, carried)
+            assert got[0] == want[0] and got[1] == want[1]
+            for a, b in zip(got[2], want[2], strict=True):
+                np.testing.assert_array_equal(a, b)
+    shapes = {reused.shapes(seqs) for seqs, _ in batches}
+    assert reused.compile_count == 2 * len(shapes)  # with and without normalizers, per bucket
+
+
+def test_value_and_weights_names_a_field_of_the_wrong_length():
+    seqs, lps = make_seqs(np.random.default_rng(8), 3, lengths=(5, 9))
+    short = dict(seqs[2].inputs, obs_mask=np.zeros(seqs[2].num_targets - 1))
+    bad = [seqs[0], seqs[1], Seq(seqs[2].tokens, short)]
+    n = seqs[2].num_targets
+    with pytest.raises(
+        ValueError, match=rf"sequence 2: field 'obs_mask' has shape \({n - 1},\), expected \({n},\)"
+    ):
+        ClientLoss(TERM).value_and_weights(lps, bad)
 
 
 def test_batch_with_logprobs_and_field_errors():
