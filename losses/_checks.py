@@ -166,15 +166,7 @@ def check_batch(
     for name in VALUE_FIELDS:
         value = batch.get(name)
         if value is not None:
-            x = np.asarray(value)
-            bad = action & ~_finite_in(x, dtype)
-            if bad.any():
-                idx = _first(bad)
-                v = float(x[idx])
-                raise ValueError(
-                    f"{name}[{_at(idx, index_names)}] = {v:g} on an action token: values "
-                    f"{_what(name, v, dtype)}"
-                )
+            _check_finite_on(name, np.asarray(value), action, dtype, index_names, "values")
     for name in ROW_FIELDS:
         value = batch.get(name)
         if value is not None:
@@ -204,6 +196,25 @@ def check_batch(
         validate(batch, logprobs)
 
 
+def _check_finite_on(
+    name: str,
+    x: np.ndarray,
+    action: np.ndarray,
+    dtype: Any,
+    index_names: tuple[str, str],
+    what: str,
+) -> None:
+    """``x`` finite (and representable in ``dtype``) on action tokens, else ``ValueError``."""
+    bad = action & ~_finite_in(x, dtype)
+    if bad.any():
+        idx = _first(bad)
+        v = float(x[idx])
+        raise ValueError(
+            f"{name}[{_at(idx, index_names)}] = {v:g} on an action token: {what} "
+            f"{_what(name, v, dtype)}"
+        )
+
+
 def _check_argument(
     argument: str | None,
     x: np.ndarray,
@@ -217,14 +228,7 @@ def _check_argument(
     if argument == "values":
         if x.shape != bt:
             raise ValueError(f"values have shape {x.shape}, expected {bt} like action_mask")
-        bad = action & ~_finite_in(x, dtype)
-        if bad.any():
-            idx = _first(bad)
-            v = float(x[idx])
-            raise ValueError(
-                f"values[{_at(idx, index_names)}] = {v:g} on an action token: value predictions "
-                f"{_what('values', v, dtype)}"
-            )
+        _check_finite_on("values", x, action, dtype, index_names, "value predictions")
         return
     topk = x.ndim == 3 and x.shape[:2] == bt and x.shape[2] >= 1
     if argument == "topk_logprobs" and not topk:
