@@ -14,7 +14,9 @@ Two families (reference/policy-losses-2.md §5, §7, §8):
   argument instead of the usual float[B, T], with ``batch.teacher_topk_logprobs`` [B, T, K].
   `topk_forward_kl`, `topk_reverse_kl` and `topk_jsd` choose how the K entries become
   distributions: raw (truncated), with a (K+1)-th tail bucket ``log(1 - Σ_k e^{x_k})``, or
-  renormalised over K. `topk_entropy` gives the §7 top-K entropy approximations.
+  renormalised over K. `topk_entropy` gives the §7 top-K entropy approximations. Their
+  gradient is the closed form (`jax.custom_jvp`), one elementwise pass over the [B, T, K]
+  inputs; each per-token sum over the K entries is one fused pass (see `_entries`).
 
 Every term reduces its per-token loss over ``action_mask`` with the shared reductions
 (``reduction=``, default ``token_mean``), reading the carried normalizers, so `split_batch` is
@@ -24,8 +26,10 @@ before any arithmetic and get an exactly-zero gradient.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -332,20 +336,237 @@ def _renormalized(x_K: jax.Array) -> jax.Array:
     return x_K - jax.nn.logsumexp(x_K, axis=-1, keepdims=True)
 
 
-def _kl(la: jax.Array, lb: jax.Array) -> jax.Array:
-    """``Σ_k e^{a_k}·(a_k - b_k)`` over the last axis."""
-    return jnp.sum(jnp.exp(la) * (la - lb), axis=-1)
+#: Largest K whose per-token sums are unrolled over the K entries (see `_entries`); a larger K
+#: sums over the axis.
+_UNROLL_MAX_K = 32
 
 
-def _jsd(ls: jax.Array, lt: jax.Array, beta: float) -> jax.Array:
-    """TRL's generalized JSD: β = 0 → KL(T‖S), β = 1 → KL(S‖T), else β·KL(T‖M) + (1-β)·KL(S‖M)
-    with ``M = βT + (1-β)S``."""
-    if beta == 0.0:
-        return _kl(lt, ls)
-    if beta == 1.0:
-        return _kl(ls, lt)
-    lm = jnp.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
-    return beta * _kl(lt, lm) + (1.0 - beta) * _kl(ls, lm)
+def _entries(x: jax.Array, valid: jax.Array, fill: float = 0.0) -> tuple[jax.Array, ...]:
+    """The K entries of ``x[..., K]``, ``fill`` where not ``valid[...]``: ``[..., 1]`` slices
+    (``K ≤ _UNROLL_MAX_K``), else ``(x,)``.
+
+    A per-token sum over the slices is a chain of elementwise adds: XLA fuses it, with the
+    exp/log of every entry, into one pass over the ``[..., K]`` inputs that writes only the
+    ``[..., 1]`` result. An axis reduction instead takes its operand materialised (XLA:CPU's
+    reduction kernels fuse no transcendental), one ``[..., K]`` buffer per sum. The selects
+    also keep XLA from turning ``exp`` of the slices back into an ``exp`` of the whole array.
+    """
+    k = x.shape[-1]
+    parts = [x[..., i : i + 1] for i in range(k)] if k <= _UNROLL_MAX_K else [x]
+    v = valid[..., None]
+    return tuple(jnp.where(v, e, jnp.asarray(fill, x.dtype)) for e in parts)
+
+
+def _esum(xs: Sequence[jax.Array]) -> jax.Array:
+    """``Σ_k`` over `_entries`, keepdims."""
+    parts = [x if x.shape[-1] == 1 else jnp.sum(x, axis=-1, keepdims=True) for x in xs]
+    return functools.reduce(jnp.add, parts)
+
+
+def _elogsumexp(x: jax.Array, xs: Sequence[jax.Array], valid: jax.Array) -> jax.Array:
+    """``log Σ_k e^{x_k}`` over ``xs = _entries(x, valid)``, keepdims, as `jax.nn.logsumexp`
+    computes it: shifted by the max (of the raw ``x``; 0 where masked or not finite)."""
+    k = x.shape[-1]
+    parts = [x[..., i : i + 1] for i in range(k)] if k <= _UNROLL_MAX_K else [x]
+    parts = [e if e.shape[-1] == 1 else jnp.max(e, axis=-1, keepdims=True) for e in parts]
+    m = functools.reduce(jnp.maximum, parts)
+    m = jnp.where(valid[..., None] & jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+    return jnp.log(_esum([jnp.exp(e - m) for e in xs])) + m
+
+
+def _min_gate(x: jax.Array, bound: float) -> jax.Array:
+    """``∂ min(x, bound) / ∂x`` as JAX defines it: 1 below, ½ at the bound, 0 above."""
+    return jnp.where(x < bound, 1.0, jnp.where(x == bound, 0.5, 0.0)).astype(x.dtype)
+
+
+def _sanitized(x: jax.Array) -> jax.Array:
+    """``x`` where it can be a log-probability (``≤ 1``; ``≥ -max/16``, so that no product of
+    the gradient overflows), else 0 (nan, +inf, huge) or ``-max/16`` (-inf).
+
+    The gradient's pass reads the inputs through this instead of masking them: its value is
+    multiplied by 0 off the mask, where this keeps it finite, and on the mask it changes
+    nothing that `check_batch` accepts (a teacher logprob below ``-max/16``, ~ -2e37 in
+    float32, would change only the reverse KL's gradient). XLA:CPU runs this elementwise test
+    at full speed in a loop with transcendentals, and a ``[B, T]`` mask broadcast over K at
+    half the speed.
+    """
+    floor = float(jnp.finfo(x.dtype).max) / 16
+    return jnp.maximum(jnp.where(x <= 1.0, x, jnp.zeros((), x.dtype)), -floor)
+
+
+class _TopKSpec(NamedTuple):
+    """What a top-K term computes: the divergence, the support of each side, the options."""
+
+    kind: str  # "forward" KL(T‖S), "reverse" KL(S‖T) or "jsd"
+    student: str  # the student's support: "raw", "renormalized" or "tail"
+    teacher: str  # the teacher's support
+    beta: float = 0.5  # "jsd": β ∈ (0, 1)
+    clamp: bool = False  # verl: max(ℓ, 0)
+
+
+def _support(x: jax.Array, xs: Sequence[jax.Array], valid: jax.Array, how: str):
+    """``(log-entries, log-normaliser c, tail log L, ρ)`` of one side, from ``xs =
+    _entries(x, valid)``.
+
+    ``renormalized``: the entries ``x_k - c`` with ``c = log Σ e^x``. ``tail``: the entries and
+    ``L = log(1 - e^{min(c, TAIL_LOG_MASS_MAX)})`` (TRL's clamp), whose derivative in ``x_k`` is
+    ``ρ·e^{x_k}`` with ``ρ = gate / expm1(min(c, ·))`` (0 on the clamp).
+    """
+    if how == "raw":
+        return tuple(xs), None, None, None
+    lse = _elogsumexp(x, xs, valid)
+    if how == "renormalized":
+        return tuple(e - lse for e in xs), lse, None, None
+    y = jnp.minimum(lse, TAIL_LOG_MASS_MAX)
+    return tuple(xs), None, jnp.log(-jnp.expm1(y)), _min_gate(lse, TAIL_LOG_MASS_MAX) / jnp.expm1(y)
+
+
+def _kl_entries(la, lb, tail_a=None, tail_b=None) -> jax.Array:
+    """``Σ_k e^{a_k}·(a_k - b_k)`` (plus the tail bucket's term), keepdims."""
+    out = _esum([jnp.exp(a) * (a - b) for a, b in zip(la, lb, strict=True)])
+    if tail_a is not None:
+        out = out + jnp.exp(tail_a) * (tail_a - tail_b)
+    return out
+
+
+def _mix(spec: _TopKSpec, ls, lt):
+    """``log M = log((1-β)e^{ls} + βe^{lt})``, elementwise."""
+    return jnp.logaddexp(ls + math.log1p(-spec.beta), lt + math.log(spec.beta))
+
+
+def _topk_forward(s: jax.Array, t: jax.Array, valid: jax.Array, spec: _TopKSpec):
+    """Per-token divergence ``[..., 1]`` (0 where masked; before the clamp), what its gradient
+    needs, and the parts of the ``divergence`` metric (`_topk_part_weights`).
+
+    The gradient with respect to the student's log-entries ``ls_k`` is ``a_k`` (forward:
+    ``-e^{lt_k}``; reverse: ``e^{ls_k}(ls_k - lt_k + 1)``; JSD: ``(1-β)e^{ls_k}(ls_k -
+    lm_k)``). Renormalising the student adds ``-e^{ls_k}·Σ_j a_j`` (stat ``"sa"``: ``-1``
+    forward and ``ℓ + 1`` reverse, as ``Σ_k e^{ls_k} = 1``; ``(1-β)·KL(S‖M)`` JSD), its tail
+    bucket ``b·ρ·e^{s_k}`` with ``b = ∂ℓ/∂L_s`` (stat ``"kappa"``).
+
+    Every statistic the gradient reads is a masked sum that the loss also reduces (or a
+    function of the log-normalisers): XLA then writes each once, ``[..., 1]``. The JSD's second
+    sum, ``KL(S‖M)``, reads entries filled with -0.0 instead of 0.0 where masked: the same
+    values from distinct operations, so that XLA gives it a pass of its own instead of
+    materialising the per-entry terms the two sums would share.
+    """
+    v = valid[..., None]
+    ls, cs, tail_s, rho = _support(s, _entries(s, valid), valid, spec.student)
+    lt, ct, tail_t, _ = _support(t, _entries(t, valid), valid, spec.teacher)
+    stats = {"cs": cs, "ct": ct}
+    beta = spec.beta
+    if spec.kind == "forward":
+        d = safe(_kl_entries(lt, ls, tail_t, tail_s), v)
+        b = None if tail_t is None else -jnp.exp(tail_t)
+        sa = -1.0
+    elif spec.kind == "reverse":
+        d = safe(_kl_entries(ls, lt, tail_s, tail_t), v)
+        b = None if tail_s is None else jnp.exp(tail_s) * (tail_s - tail_t + 1.0)
+        sa = d + 1.0
+    else:
+        lm = [_mix(spec, x, y) for x, y in zip(ls, lt, strict=True)]
+        tail_m = None if tail_s is None else _mix(spec, tail_s, tail_t)
+        if spec.student == "renormalized":  # KL(S‖M) is also a statistic: its own pass
+            ls = tuple(e - cs for e in _entries(s, valid, fill=-0.0))
+            lm_s = [
+                _mix(spec, x, y - ct) for x, y in zip(ls, _entries(t, valid, -0.0), strict=True)
+            ]
+        else:
+            lm_s = lm
+        kl_t = safe(_kl_entries(lt, lm, tail_t, tail_m), v)
+        kl_s = safe(_kl_entries(ls, lm_s, tail_s, tail_m), v)
+        d = beta * kl_t + (1.0 - beta) * kl_s
+        parts = (kl_t, kl_s)
+        b = None if tail_s is None else (1.0 - beta) * jnp.exp(tail_s) * (tail_s - tail_m)
+        sa = (1.0 - beta) * kl_s
+    if spec.student == "renormalized":
+        stats["sa"] = sa
+    if spec.student == "tail":
+        stats["kappa"] = b * rho
+    if spec.kind != "jsd":  # max(d, 0) = (d + |d|)/2 exactly, by operations the loss does not share
+        parts = (d + jnp.abs(d),) if spec.clamp else (d,)
+    return d, stats, tuple(p[..., 0] for p in parts)
+
+
+def _topk_part_weights(spec: _TopKSpec) -> tuple[float, ...]:
+    """``ℓ = Σ_i weight_i·part_i`` for the ``parts`` of `_topk_forward` (masked per-token sums:
+    ``(KL(T‖M), KL(S‖M))`` JSD, ``(ℓ + |ℓ|)`` under the clamp, ``(ℓ,)`` otherwise)."""
+    if spec.kind == "jsd":
+        return (spec.beta, 1.0 - spec.beta)
+    return (0.5,) if spec.clamp else (1.0,)
+
+
+def _topk_grad(s, t, gate, stats, spec: _TopKSpec) -> jax.Array:
+    """``∂ℓ/∂s[..., K]`` times ``gate`` (``[..., 1]``, 0 where masked): one elementwise pass."""
+    s = _sanitized(s)
+    t = _sanitized(t)
+    ls = s if stats["cs"] is None else s - stats["cs"]
+    lt = t if stats["ct"] is None else t - stats["ct"]
+    if spec.kind == "forward":
+        g = -jnp.exp(lt)
+    elif spec.kind == "reverse":
+        g = jnp.exp(ls) * (ls - lt + 1.0)
+    else:
+        g = (1.0 - spec.beta) * jnp.exp(ls) * (ls - _mix(spec, ls, lt))
+    if spec.student == "renormalized":
+        g = g - jnp.exp(ls) * stats["sa"]
+    elif spec.student == "tail":
+        g = g + stats["kappa"] * jnp.exp(s)
+    return gate * g
+
+
+def _topk_gate(d: jax.Array, valid: jax.Array, spec: _TopKSpec) -> jax.Array:
+    """The per-token factor of the gradient: 0 where masked, ``∂ max(d, 0)/∂d`` under the clamp."""
+    v = valid[..., None].astype(d.dtype)
+    return v * _min_gate(-d, 0.0) if spec.clamp else v  # max(d, 0) = -min(-d, 0)
+
+
+def _topk_out(d: jax.Array, spec: _TopKSpec) -> jax.Array:
+    return (jnp.maximum(d, 0.0) if spec.clamp else d)[..., 0]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _topk_divergence(s: jax.Array, t: jax.Array, valid: jax.Array, spec: _TopKSpec):
+    """``(ℓ, parts)``: the per-token top-K divergence float[B, T] of the student logprobs ``s``
+    and the teacher's ``t`` (data: no gradient), both float[B, T, K]; ``valid`` bool[B, T];
+    and float[B, T] terms (no gradient) whose `_topk_part_weights` sum is ``ℓ``, for the
+    ``divergence`` metric: reducing them, not ``ℓ`` again, lets XLA write each once.
+
+    Masked positions may hold inf/nan in ``s`` and ``t``: the value reads them as 0 (and is 0
+    there), the gradient through `_sanitized` (finite, then multiplied by 0: exactly 0). The
+    gradient is the closed form of `_topk_forward` (a `jax.custom_jvp`, so forward mode and
+    higher derivatives work too): one elementwise pass over ``s`` and ``t`` with per-token
+    statistics, where autodiff writes several ``[B, T, K]`` intermediates.
+    """
+    d, _, parts = _topk_forward(s, t, valid, spec)
+    return _topk_out(d, spec), parts
+
+
+@_topk_divergence.defjvp
+def _topk_divergence_jvp(spec: _TopKSpec, primals, tangents):
+    s, t, valid = primals
+    ds = tangents[0]
+    d, stats, parts = _topk_forward(s, t, valid, spec)
+    g = _topk_grad(s, t, _topk_gate(d, valid, spec), stats, spec)
+    zeros = tuple(jnp.zeros_like(p) for p in parts)
+    return (_topk_out(d, spec), parts), (jnp.sum(g * ds, axis=-1), zeros)
+
+
+def _topk_side_metrics(x: jax.Array, valid: jax.Array, how: str) -> tuple[jax.Array, jax.Array]:
+    """``(Σ_k e^{x_k}, topk_entropy)`` per position of one side, float[...] each.
+
+    The entries are filled with -1.0 where masked (any finite value: the metrics are masked
+    means), not 0.0: operations distinct from the divergence's, so that XLA computes the
+    metrics in passes of their own instead of materialising the per-entry terms both share.
+    """
+    xs = _entries(x, valid, fill=-1.0)
+    lse = _elogsumexp(x, xs, valid)
+    lx = tuple(e - lse for e in xs) if how == "renormalized" else xs
+    h = -_esum([jnp.exp(e) * e for e in lx])
+    if how == "tail":
+        tail = jnp.log(-jnp.expm1(jnp.minimum(lse, TAIL_LOG_MASS_MAX)))
+        h = h - jnp.exp(tail) * tail
+    return jnp.exp(lse)[..., 0], h[..., 0]
 
 
 def topk_entropy(logprobs: Any, *, approx: str = "truncated") -> jax.Array:
@@ -463,53 +684,51 @@ def _topk_args(where, coef, renormalize, tail, reduction, max_tokens, allowed):
     return coef, renormalize
 
 
-def _supports(s_K, t_K, renormalize: str, tail: bool):
-    """The student and teacher log-distributions the divergence compares, and the entropy
-    approximation that matches each."""
+def _topk_spec(kind: str, renormalize: str, tail: bool, beta: float = 0.5) -> _TopKSpec:
+    """The `_TopKSpec` of a constructor's options (TRL's GKD ends: β = 0 → forward KL, β = 1 →
+    reverse KL; verl's truncated forward KL clamped at 0)."""
     if tail:
-        return _with_tail(s_K), _with_tail(t_K), "tail", "tail"
-    if renormalize == "both":
-        return _renormalized(s_K), _renormalized(t_K), "renormalized", "renormalized"
-    if renormalize == "teacher":
-        return s_K, _renormalized(t_K), "truncated", "renormalized"
-    return s_K, t_K, "truncated", "truncated"
+        student, teacher = "tail", "tail"
+    else:
+        student = "renormalized" if renormalize == "both" else "raw"
+        teacher = "raw" if renormalize == "none" else "renormalized"
+    if kind == "jsd" and beta in (0.0, 1.0):
+        kind = "forward" if beta == 0.0 else "reverse"
+    clamp = kind == "forward" and student == teacher == "raw"
+    return _TopKSpec(kind, student, teacher, beta, clamp)
 
 
 def _topk_term(
     *,
     where: str,
     name: str,
-    divergence,
+    spec: _TopKSpec,
     coef: float,
-    renormalize: str,
-    tail: bool,
     reduction: str,
     max_tokens: float | None,
     config: dict,
-    clamp_nonnegative: bool = False,
 ) -> Term:
     def loss_fn(logprobs, batch: Batch):
         s = _check_topk_shape(logprobs, batch, where)
         batch = jax.lax.stop_gradient(batch)
         valid = batch.action_mask > 0
-        valid_K = valid[..., None]
-        s = safe(s, valid_K)
-        t = safe(batch.teacher_topk_logprobs.astype(s.dtype), valid_K)
-        ls, lt, s_approx, t_approx = _supports(s, t, renormalize, tail)
-        d = divergence(ls, lt)
-        if clamp_nonnegative:
-            d = jnp.maximum(d, 0.0)
-        d = safe(d, valid)
+        t = batch.teacher_topk_logprobs.astype(s.dtype)
+        d, parts = _topk_divergence(s, t, valid, spec)
         w = term_weights(batch, "action", reduction, max_tokens)
         loss = coef * jnp.sum(w * d)
-        s_sg = jax.lax.stop_gradient(s)
+        t_mass, t_entropy = _topk_side_metrics(t, valid, spec.teacher)
+        s_mass, s_entropy = _topk_side_metrics(jax.lax.stop_gradient(s), valid, spec.student)
+        n = jnp.maximum(count(valid.astype(s.dtype)), 1.0)
         metrics = {
             "loss": jax.lax.stop_gradient(loss),
-            "divergence": masked_mean(d, valid),
-            "teacher_mass": masked_mean(jnp.sum(jnp.exp(t), axis=-1), valid),
-            "student_mass": masked_mean(jnp.sum(jnp.exp(s_sg), axis=-1), valid),
-            "teacher_entropy": masked_mean(topk_entropy(t, approx=t_approx), valid),
-            "student_entropy": masked_mean(topk_entropy(s_sg, approx=s_approx), valid),
+            "divergence": jax.lax.stop_gradient(
+                sum(c * jnp.sum(p) for c, p in zip(_topk_part_weights(spec), parts, strict=True))
+            )
+            / n,
+            "teacher_mass": masked_mean(t_mass, valid),
+            "student_mass": masked_mean(s_mass, valid),
+            "teacher_entropy": masked_mean(t_entropy, valid),
+            "student_entropy": masked_mean(s_entropy, valid),
             "num_tokens": count(valid.astype(s.dtype)),
         }
         return loss, metrics
@@ -525,6 +744,7 @@ def _topk_term(
         is_zero=coef == 0.0,
         twin=None,
         validate=_topk_validate(where),
+        argument="topk_logprobs",
     )
 
 
@@ -605,10 +825,8 @@ def topk_forward_kl(
     return _topk_term(
         where=where,
         name="topk_forward_kl",
-        divergence=lambda ls, lt: _kl(lt, ls),
+        spec=_topk_spec("forward", renormalize, tail),
         coef=coef,
-        renormalize=renormalize,
-        tail=tail,
         reduction=reduction,
         max_tokens=max_tokens,
         config=dict(
@@ -618,7 +836,6 @@ def topk_forward_kl(
             reduction=reduction,
             max_tokens=max_tokens,
         ),
-        clamp_nonnegative=renormalize == "none" and not tail,
     )
 
 
@@ -684,10 +901,8 @@ def topk_reverse_kl(
     return _topk_term(
         where=where,
         name="topk_reverse_kl",
-        divergence=lambda ls, lt: _kl(ls, lt),
+        spec=_topk_spec("reverse", renormalize, tail),
         coef=coef,
-        renormalize=renormalize,
-        tail=tail,
         reduction=reduction,
         max_tokens=max_tokens,
         config=dict(
@@ -719,7 +934,9 @@ def topk_jsd(
     With K = the vocabulary this is GKD's full JSD. Sources: TRL ``experimental/gkd``
     (β 0.5, ``batchmean`` over valid tokens = ``token_mean``, the default here) and
     ``DistillationTrainer`` (β 1.0). TRL's ``temperature`` (0.9) scales logits before the
-    log-softmax; here the logprobs are taken as given. Gradient by autodiff. No twin (§8).
+    log-softmax; here the logprobs are taken as given. Gradient (closed form, as autodiff
+    would give it): ``(1-β)·S_k(log S_k - log M_k)`` per entry, through the renormalisation
+    (``- S_k·Σ_j``) or the tail bucket. No twin (§8).
 
     Example (§5, vocabulary 3, teacher [0.7, 0.2, 0.1], student [0.4, 0.4, 0.2]): β = 0.5 →
     0.04620, β = 0 → 0.18379, β = 1 → 0.19204.
@@ -765,10 +982,8 @@ def topk_jsd(
     return _topk_term(
         where=where,
         name="topk_jsd",
-        divergence=lambda ls, lt: _jsd(ls, lt, beta),
+        spec=_topk_spec("jsd", renormalize, tail, beta),
         coef=coef,
-        renormalize=renormalize,
-        tail=tail,
         reduction=reduction,
         max_tokens=max_tokens,
         config=dict(
