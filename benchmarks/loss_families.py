@@ -93,6 +93,7 @@ FAMILIES: list[tuple[str, str, Callable[[], losses.Term], str]] = [
     ("preference", "kto", lambda: losses.kto(), "logprobs"),
     ("distillation", "reverse_kl_distillation", losses.reverse_kl_distillation, "logprobs"),
     ("distillation", f"topk_forward_kl (K={TOP_K})", losses.topk_forward_kl, "topk"),
+    ("distillation", f"topk_reverse_kl (K={TOP_K})", losses.topk_reverse_kl, "topk"),
     ("distillation", f"topk_jsd (K={TOP_K})", losses.topk_jsd, "topk"),
     ("critic", "value_loss (clip 0.5)", losses.value_loss, "values"),
 ]

@@ -147,7 +147,7 @@ def _step(client, ref, seqs, adam):
 def test_lora_training_equals_the_local_trainer_and_leaves_the_base_frozen(served, service, hf_dir):
     client = _lora_client(service)
     info = client.get_info()
-    assert info.model_data.model_name == "tiny"
+    assert info.model_data.model_name == "tiny" and info.model_data.arch == "qwen3"
     assert info.is_lora is True and info.lora_rank == RANK
     model = _model(served, client)
     assert model.lora.rank == RANK and model.lora.alpha == 32.0
@@ -252,6 +252,7 @@ def test_the_toy_model_trains_full_weights_and_says_so(served, service):
     client = service.create_lora_training_client("toy", rank=RANK).result()
     info = client.get_info()
     assert info.is_lora is False and info.lora_rank is None
+    assert info.model_data.arch == "foldloss-local-transformer"
     model = _model(served, client)
     assert model.lora is None and model.lora_rank == RANK  # the rank asked for, recorded
 

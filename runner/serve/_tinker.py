@@ -341,11 +341,13 @@ _TASKS: set[Any] = set()
 async def get_info(server: Server, request: web.Request) -> web.Response:
     req = await _parse(server, request, tt.GetInfoRequest, "get_info")
     model = server.engine.model(req.model_id)
+    decoder = model.base.config.decoder  # a Llama / Qwen2 / Qwen3 family, or the toy model
+    arch = decoder.family if decoder is not None else "foldloss-local-transformer"
     return json_response(
         {
             "type": "get_info",
             "model_id": model.model_id,
-            "model_data": {"arch": "foldloss-local-transformer", "model_name": model.base.name},
+            "model_data": {"arch": arch, "model_name": model.base.name},
             "model_name": model.base.name,
             # The truth: LoRA adapters of this rank on a decoder; every weight on the toy model,
             # whatever rank was asked for.
