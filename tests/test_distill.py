@@ -276,6 +276,47 @@ def test_masked_positions_are_nan_safe(case, data, fill):
     np.testing.assert_allclose(grad, grad_ok, rtol=1e-12, atol=1e-15)
 
 
+_BIG = float(np.finfo(np.float64).max)
+
+
+@over(TOPK)
+@pytest.mark.parametrize(
+    "fills", [(np.nan, -np.inf), (np.inf, -_BIG), (-1e30, 0.5), (_BIG, np.nan), (-_BIG, _BIG)]
+)
+def test_masked_topk_entries_with_unequal_fills_change_nothing(case, fills):
+    # The student and teacher entries off the mask hold different garbage (the closed-form
+    # gradient reads them through a sanitiser, not a mask): value, gradient and metrics are
+    # exactly those of the clean batch.
+    lp, batch = fixed_topk(3)
+    m3 = (np.asarray(batch.action_mask) == 0)[..., None]
+    teacher = np.where(m3, fills[1], np.asarray(batch.teacher_topk_logprobs))
+    (value, metrics), grad = vg(
+        case.spec, np.where(m3, fills[0], lp), batch.replace(teacher_topk_logprobs=teacher)
+    )
+    (value_ok, metrics_ok), grad_ok = vg(case.spec, lp, batch)
+    assert np.all(np.isfinite(grad)) and np.all(grad[m3[..., 0]] == 0.0)
+    assert value == value_ok and metrics == metrics_ok
+    np.testing.assert_array_equal(grad, grad_ok)
+
+
+@over(TOPK)
+def test_topk_forward_mode_and_second_derivative_agree_with_reverse_mode(case):
+    # The closed-form gradient is a custom JVP: jax.jvp gives the directional derivative the
+    # reverse-mode gradient implies, and the gradient is itself differentiable (finite
+    # differences of the gradient along the direction).
+    lp, batch = fixed_topk(5)
+    term = case.term()
+    f = jax.jit(lambda x: term(x, batch)[0])
+    direction = np.random.default_rng(0).normal(size=lp.shape)
+    _, tangent = jax.jvp(f, (jnp.asarray(lp),), (jnp.asarray(direction),))
+    grad = jax.grad(f)(jnp.asarray(lp))
+    np.testing.assert_allclose(float(tangent), float(np.sum(grad * direction)), rtol=1e-10)
+    hvp = jax.jvp(jax.grad(f), (jnp.asarray(lp),), (jnp.asarray(direction),))[1]
+    eps = 1e-6
+    fd = (jax.grad(f)(lp + eps * direction) - jax.grad(f)(lp - eps * direction)) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(hvp), np.asarray(fd), rtol=1e-5, atol=1e-8)
+
+
 # -- 3. micro-batching, permutation, padding ----------------------------------------------------
 
 
