@@ -191,8 +191,9 @@ def test_matches_numpy_reference(case, data):
     (value, metrics), grad = vg(case.spec, lp, batch)
     ref_value, ref_grad = case.reference(lp, batch)
     np.testing.assert_allclose(value, ref_value, rtol=1e-10, atol=1e-12)
-    if case.topk:  # finite differences
-        np.testing.assert_allclose(grad, ref_grad, rtol=1e-6, atol=1e-9)
+    if case.topk:  # central finite differences, step 1e-6: their error grows as the tail
+        # 1 - sum(p) shrinks (a drawn student = teacher with a 1% tail: FD 1.7e-9, true gradient 0)
+        np.testing.assert_allclose(grad, ref_grad, rtol=1e-6, atol=1e-8)
     else:
         np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-12)
     assert metrics["loss"] == value
