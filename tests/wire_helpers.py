@@ -188,14 +188,17 @@ def assert_same_metrics(
     counted: Sequence[str] = COUNTED,
 ) -> None:
     """Both runs have the same steps, and at every step the ``compared`` metrics agree within
-    relative 1e-6 and the ``counted`` ones exactly (where the reference has them)."""
+    relative 1e-6 or absolute 1e-7 and the ``counted`` ones exactly (where the reference has
+    them). The absolute part is float32 rounding of O(1) summands: a GRPO loss whose group
+    terms cancel to 0.0018 differed by 1.5e-8 between a hosted and a local run whose total
+    loss agreed to 9e-8 relative."""
     got, want = records(got_dir), records(want_dir)
     assert sorted(got) == sorted(want) == list(range(len(want)))
     for step, w in want.items():
         g = got[step]
         for key in compared:
             if key in w:
-                assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-9), (step, key)
+                assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-7), (step, key)
         for key in counted:
             if key in w:
                 assert g[key] == w[key], (step, key)
