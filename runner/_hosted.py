@@ -106,3 +106,32 @@ def check_sample_args(
             f"max_seq_len={max_seq_len}"
         )
     return arrays, num_samples, max_tokens, seed, stops
+
+
+def refuse_reference_model(cfg: Any, backend: str) -> None:
+    """Raises ``ValueError`` when the run's RL loss needs a frozen reference model
+    (`runner.config.reference_reason`): the hosted backends have none."""
+    from runner.config import reference_reason
+
+    reason = reference_reason(cfg)
+    if reason is not None:
+        raise ValueError(
+            f"config {reason} needs a frozen reference model, which is supported on the "
+            "local backend only; set [rl].kl_coef to 0 (or use a loss without ref_logprobs) for "
+            f"backend '{backend}'"
+        )
+
+
+def api_key_from_env(name: str, environ: Any, *, service: str, section: str) -> str:
+    """The API key of ``service`` from the environment variable ``name`` (named by
+    ``[section].api_key_env``); the error names the variable only, never a value."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    value = environ.get(name, "")
+    if not value.strip():
+        raise ValueError(
+            f"the {service} API key is missing: set the environment variable {name} (named by "
+            f"[{section}].api_key_env); the key is never read from the config file"
+        )
+    return value.strip()

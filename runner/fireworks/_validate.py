@@ -8,7 +8,6 @@ vision-language models fail closed.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -135,24 +134,13 @@ def validate_static(cfg: Any) -> None:
         )
     if f.output_model_id:
         check_output_model_id(f.output_model_id)
-    from runner.config import reference_reason
+    from runner._hosted import refuse_reference_model
 
-    reason = reference_reason(cfg)
-    if reason is not None:
-        raise ValueError(
-            f"config {reason} needs a frozen reference model, which is supported on the "
-            "local backend only; set [rl].kl_coef to 0 (or use a loss without ref_logprobs) for "
-            "backend 'fireworks'"
-        )
+    refuse_reference_model(cfg, "fireworks")
 
 
 def api_key_from_env(name: str, environ: Mapping[str, str] | None = None) -> str:
     """The API key from the environment variable ``name``; the error names the variable only."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(name, "")
-    if not value.strip():
-        raise ValueError(
-            f"the Fireworks API key is missing: set the environment variable {name} (named by "
-            "[fireworks].api_key_env); the key is never read from the config file"
-        )
-    return value.strip()
+    from runner._hosted import api_key_from_env as from_env
+
+    return from_env(name, environ, service="Fireworks", section="fireworks")

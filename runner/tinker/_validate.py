@@ -7,7 +7,6 @@ error names the variable, never a value).
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -45,24 +44,13 @@ def validate_static(cfg: Any) -> None:
             "config [run].output_dir must be set for backend 'tinker': the run's manifests are "
             "the only record of its tinker:// checkpoint identities"
         )
-    from runner.config import reference_reason
+    from runner._hosted import refuse_reference_model
 
-    reason = reference_reason(cfg)
-    if reason is not None:
-        raise ValueError(
-            f"config {reason} needs a frozen reference model, which is supported on the "
-            "local backend only; set [rl].kl_coef to 0 (or use a loss without ref_logprobs) for "
-            "backend 'tinker'"
-        )
+    refuse_reference_model(cfg, "tinker")
 
 
 def api_key_from_env(name: str, environ: Mapping[str, str] | None = None) -> str:
     """The API key from the environment variable ``name``; the error names the variable only."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(name, "")
-    if not value.strip():
-        raise ValueError(
-            f"the Tinker API key is missing: set the environment variable {name} (named by "
-            "[tinker].api_key_env); the key is never read from the config file"
-        )
-    return value.strip()
+    from runner._hosted import api_key_from_env as from_env
+
+    return from_env(name, environ, service="Tinker", section="tinker")
