@@ -9,6 +9,9 @@ from pathlib import Path
 from runner.checkpoints import CheckpointError, latest_step
 from runner.config import load_config
 
+#: `main`'s exit status after SIGINT (128 + SIGINT, the shell's convention).
+INTERRUPTED = 130
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "default.toml"
 
 
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print(f"error: interrupted; {_resume_hint(cfg)}", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     _summary(result)
     return 0
 
@@ -197,5 +200,22 @@ def _summary(result) -> None:
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}  plot: {result.run_dir / 'plot.png'}")
 
 
+def _exit(code: int) -> None:
+    """Exits with ``code``; after an interrupt, without the interpreter's teardown.
+
+    The run has unwound (its files closed, its checkpoints committed or never named), and the
+    interrupt's one line is printed. A teardown after SIGINT has been seen to end the process by
+    the signal instead (status -2, once in a CI run) -- an XLA/LLVM signal handler or a late
+    signal; ``os._exit`` makes the status the documented 130 whatever the teardown would do.
+    """
+    if code != INTERRUPTED:
+        sys.exit(code)
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
