@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from runner._gc import freeze_heap
 from runner.serve._core import DEFAULT_PREFIXES, ServeConfig, ServeError, Server, build_app
 from runner.serve._engine import (
     BaseModel,
@@ -261,6 +262,7 @@ def serve_forever(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        freeze_heap()  # the models and the app live as long as the process (runner._gc)
         try:
             await stop.wait()
         finally:

@@ -249,6 +249,7 @@ class ServerFuture:
         self.finished: float | None = None
         self.payload: Payload | None = None
         self.error: ServeError | None = None
+        self.expiring = False  # listed in its store's expiry queue (`FutureStore.get`)
         self._event = asyncio.Event()
 
     @property
@@ -304,7 +305,8 @@ class FutureStore:
                 f"unknown or expired request_id {request_id!r} (the server may have restarted)",
                 status=410,
             )
-        if fut.done and fut not in self._finished:
+        if fut.done and not fut.expiring:  # a flag, not a scan of the queue: O(1) per retrieve
+            fut.expiring = True
             self._finished.append(fut)
         return fut
 
@@ -600,6 +602,7 @@ class Server:
         self.config = config
         self.engine = engine
         self.flavours = list(flavours)
+        self._ranked: dict[str, tuple[list[Flavour], Flavour]] = {}  # `flavour_for`, per endpoint
         self.futures = FutureStore()
         self.sessions: dict[str, Session] = {}
         self.queues: dict[str, OrderedQueue] = {}
@@ -665,16 +668,21 @@ class Server:
     # -- dispatch -----------------------------------------------------------------------------
 
     def flavour_for(self, request: web.Request, endpoint: str) -> Flavour:
-        candidates = [f for f in self.flavours if endpoint in f.handlers]
-        if not candidates:
-            raise user_error(f"endpoint {endpoint} is not implemented by this server", 404)
-        # A flavour with a narrower claim (a higher ``claim_priority``, e.g. the Fireworks SDK's
-        # ``AsyncTinker/Python 0.23`` against tinker's ``AsyncTinker/``) is asked first.
-        ranked = sorted(candidates, key=lambda f: -getattr(f, "claim_priority", 0))
-        for flavour in ranked:
+        ranked = self._ranked.get(endpoint)
+        if ranked is None:
+            candidates = [f for f in self.flavours if endpoint in f.handlers]
+            if not candidates:
+                raise user_error(f"endpoint {endpoint} is not implemented by this server", 404)
+            # A flavour with a narrower claim (a higher ``claim_priority``, e.g. the Fireworks
+            # SDK's ``AsyncTinker/Python 0.23`` against tinker's ``AsyncTinker/``) is asked
+            # first; with no claim, the first flavour serving the endpoint.
+            order = sorted(candidates, key=lambda f: -getattr(f, "claim_priority", 0))
+            ranked = self._ranked[endpoint] = (order, candidates[0])
+        order, default = ranked
+        for flavour in order:
             if flavour.claims(request):
                 return flavour
-        return candidates[0]
+        return default
 
     def routes(self) -> dict[str, tuple[str, str]]:
         routes = dict(ENDPOINTS)
