@@ -12,6 +12,7 @@ import importlib
 import json
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -210,19 +211,35 @@ class Config:
         """A hash of everything that changes the trajectory of a run (not step counts or names).
 
         Resuming with a different identity would not reproduce the interrupted run, so the
-        runner refuses it.
+        runner refuses it. Only settings that differ from their defaults are hashed
+        (`identity_of`), so a key added in a later release -- whose default keeps the old
+        behaviour -- leaves the identity of a run saved before it unchanged, and the run resumes.
         """
         d = self.to_dict()
         d["run"] = {"seed": d["run"]["seed"], "backend": d["run"]["backend"]}
         d["sft"] = {k: v for k, v in d["sft"].items() if k != "steps"}
         d["rl"] = {k: v for k, v in d["rl"].items() if k != "steps"}
         d.pop("checkpoint")
+        # where the service is (a resume may use another URL), not what it computes
         d["fireworks"] = {}
-        d[
-            "tinker"
-        ] = {}  # where the service is (a resume may use another URL), not what it computes
-        blob = json.dumps(d, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        d["tinker"] = {}
+        return identity_of(d, Config().to_dict())
+
+
+def identity_of(settings: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
+    """16 hex digits of the sha256 of ``settings`` without the entries equal to ``defaults``.
+
+    ``settings`` and ``defaults`` map section → key → value; a section whose every kept key
+    has its default drops out, so adding a key at its default to both changes nothing.
+    """
+    kept = {}
+    for section, values in settings.items():
+        base = defaults.get(section, {})
+        diff = {k: v for k, v in values.items() if k not in base or base[k] != v}
+        if diff:
+            kept[section] = diff
+    blob = json.dumps(kept, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}

@@ -668,3 +668,25 @@ def test_sigint_stops_cleanly_naming_the_checkpoint_to_resume(tmp_path):
     step = ckpt.latest_step(tmp_path / "tiny" / "checkpoints")
     assert lines[0].startswith("error: interrupted; --resume continues from the checkpoint of ")
     assert f"step {step} " in lines[0]
+
+
+def test_the_identity_hashes_only_non_default_settings_so_a_new_key_keeps_runs_resumable():
+    from runner.config import Config, identity_of
+
+    cfg = load_config(TINY, [])
+    settings = cfg.to_dict()
+    defaults = Config().to_dict()
+    base = identity_of(settings, defaults)
+    # a key added in a later release, at its default in the run's settings and in the defaults
+    grown = {s: dict(v) for s, v in settings.items()}
+    grown_defaults = {s: dict(v) for s, v in defaults.items()}
+    grown["rl"]["a_new_knob"] = grown_defaults["rl"]["a_new_knob"] = 0.5
+    grown["new_section"] = grown_defaults["new_section"] = {"x": 1}
+    assert identity_of(grown, grown_defaults) == base
+    # the same key at another value is another run
+    grown["rl"]["a_new_knob"] = 0.25
+    assert identity_of(grown, grown_defaults) != base
+    # every setting that differs from its default counts, including a default-valued one moved
+    assert cfg.identity() != Config().identity()  # tiny.toml is not the default config
+    assert cfg.identity() == load_config(TINY, [f"rl.kl_coef={Config().rl.kl_coef}"]).identity()
+    assert cfg.identity() != load_config(TINY, ["rl.kl_coef=0.125"]).identity()
