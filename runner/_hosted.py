@@ -17,6 +17,19 @@ from runner._padding import CheckedSeqs
 from runner._seeds import PROMPT_SEED_STRIDE
 from runner._types import Sample, Seq
 
+#: The SDK calls a hosted trainer counts in ``trainer.counters`` (tests and benchmarks read
+#: them): ``sample`` per prompt request, ``sampler_sync`` per weights-to-sampler sync.
+COUNTERS = (
+    "forward",
+    "forward_backward",
+    "optim_step",
+    "sample",
+    "sampler_sync",
+    "save_state",
+    "save_sampler",
+    "load_state",
+)
+
 
 def as_seq_list(seqs: Any) -> list[Seq]:
     if isinstance(seqs, Seq) or not isinstance(seqs, Sequence):

@@ -33,6 +33,7 @@ from fireworks.training.sdk import types
 from fireworks.training.sdk.client import GradAccNormalization
 
 from runner._atomic import atomic_write_json
+from runner._hosted import COUNTERS as HOSTED_COUNTERS
 from runner._hosted import as_seq_list as _as_list
 from runner._hosted import check_sample_args
 from runner._hosted import to_sample as _to_sample
@@ -198,19 +199,7 @@ class FireworksTrainer:
         self.delete_timeout_s = float(delete_timeout_s)
         self.delete_poll_s = float(delete_poll_s)
         self.name_prefix = dns_label(name_prefix, 40)
-        self.counters = dict.fromkeys(
-            (
-                "forward",
-                "forward_backward",
-                "optim_step",
-                "sample",
-                "sampler_sync",
-                "save_state",
-                "save_sampler",
-                "load_state",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(HOSTED_COUNTERS, 0)
         self._model_inputs = ModelInputCache()
         self._provider_lock = threading.RLock()
         self._sampler_lock = threading.Lock()

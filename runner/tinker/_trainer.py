@@ -35,6 +35,7 @@ import numpy as np
 import tinker
 from tinker import types
 
+from runner._hosted import COUNTERS as HOSTED_COUNTERS
 from runner._hosted import as_seq_list as _as_list
 from runner._hosted import check_sample_args
 from runner._hosted import to_sample as _to_sample
@@ -127,19 +128,7 @@ class TinkerTrainer:
         self.max_seq_len = max_seq_len
         self.request_timeout_s = float(request_timeout_s)
         self.close_timeout_s = float(close_timeout_s)
-        self.counters = dict.fromkeys(
-            (
-                "forward",
-                "forward_backward",
-                "optim_step",
-                "sample",
-                "sampler_sync",
-                "save_state",
-                "save_sampler",
-                "load_state",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(HOSTED_COUNTERS, 0)
         self._model_inputs = ModelInputCache()
         self._lock = threading.RLock()
         self._sampler: Any = None
