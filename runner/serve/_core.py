@@ -319,6 +319,10 @@ class FutureStore:
         return len(self._futures)
 
 
+#: `Server.complete_later`'s running tasks.
+_BACKGROUND: set[asyncio.Task] = set()
+
+
 def try_again_body(request_id: str) -> dict[str, Any]:
     return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
 
@@ -617,6 +621,29 @@ class Server:
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def complete_later(
+        self, fut: ServerFuture, build: Callable[[], Any], done: Callable[[Any], None]
+    ) -> None:
+        """Runs ``build`` off the loop, in the background; then ``done(result)`` completes ``fut``.
+
+        A `ServeError` fails the future as it is, a ``ValueError`` as a user error (its first
+        line): the client reads either from ``retrieve_future``.
+        """
+
+        async def run() -> None:
+            try:
+                result = await self.run_blocking(build)
+            except ServeError as err:
+                fut.fail(err)
+            except ValueError as exc:
+                fut.fail(user_error(str(exc).splitlines()[0]))
+            else:
+                done(result)
+
+        task = asyncio.get_running_loop().create_task(run())
+        _BACKGROUND.add(task)  # a reference until it ends (the loop keeps only weak ones)
+        task.add_done_callback(_BACKGROUND.discard)
 
     async def body(self, request: web.Request) -> bytes:
         return await read_body(request, self.config.max_body_bytes)

@@ -318,31 +318,24 @@ class FireworksFlavour:
                 flavour=self.name,
             )
 
-        async def run():
-            try:
-                await server.run_blocking(build)
-            except ServeError as err:
-                fut.fail(err)
-            except ValueError as exc:
-                fut.fail(user_error(str(exc).splitlines()[0]))
-            else:
-                server.add_queue(model_id)
-                self._model_ns[model_id] = ns
-                if ns.job is not None:
-                    self.control.add_model(ns.job, model_id)
-                # capabilities the SDK gates on: the kernel table's reinforce runs here
-                fut.complete(
-                    Payload(
-                        json={
-                            "model_id": model_id,
-                            "type": "create_model",
-                            "supports_reinforce": "reinforce" in KERNELS,
-                            "supports_target_logprob_support": False,
-                        }
-                    )
+        def done(_):
+            server.add_queue(model_id)
+            self._model_ns[model_id] = ns
+            if ns.job is not None:
+                self.control.add_model(ns.job, model_id)
+            # capabilities the SDK gates on: the kernel table's reinforce runs here
+            fut.complete(
+                Payload(
+                    json={
+                        "model_id": model_id,
+                        "type": "create_model",
+                        "supports_reinforce": "reinforce" in KERNELS,
+                        "supports_target_logprob_support": False,
+                    }
                 )
+            )
 
-        _spawn(run())
+        server.complete_later(fut, build, done)
         return json_response({"request_id": fut.request_id, "model_id": model_id})
 
     async def unload_model(self, server: Server, request: web.Request) -> web.Response:
@@ -558,14 +551,3 @@ class FireworksFlavour:
         job = self._gateway_job(request)
         names = self.control.state_names(job) if job is not None else []
         return json_response({"checkpoints": sorted(names)})
-
-
-def _spawn(coro: Any) -> None:
-    import asyncio
-
-    task = asyncio.get_running_loop().create_task(coro)
-    _TASKS.add(task)
-    task.add_done_callback(_TASKS.discard)
-
-
-_TASKS: set[Any] = set()

@@ -19,7 +19,6 @@ logprobs, prompt-alt tokens, ``prompt_logprobs_last_n``, stability recording, JW
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 import uuid
@@ -314,28 +313,12 @@ async def create_model(server: Server, request: web.Request) -> web.Response:
             flavour=TinkerFlavour.name,
         )
 
-    async def run():
-        try:
-            await server.run_blocking(build)
-        except ServeError as err:
-            fut.fail(err)
-        except ValueError as exc:
-            fut.fail(user_error(str(exc).splitlines()[0]))
-        else:
-            server.add_queue(model_id)
-            fut.complete(Payload(json={"model_id": model_id, "type": "create_model"}))
+    def done(_):
+        server.add_queue(model_id)
+        fut.complete(Payload(json={"model_id": model_id, "type": "create_model"}))
 
-    _spawn(run())
+    server.complete_later(fut, build, done)
     return _ack(fut, model_id=model_id)
-
-
-def _spawn(coro: Any) -> None:
-    task = asyncio.get_running_loop().create_task(coro)
-    _TASKS.add(task)
-    task.add_done_callback(_TASKS.discard)
-
-
-_TASKS: set[Any] = set()
 
 
 async def get_info(server: Server, request: web.Request) -> web.Response:
@@ -526,20 +509,11 @@ async def load_weights(server: Server, request: web.Request) -> web.Response:
             flavour=TinkerFlavour.name,
         )
 
-    async def run():
-        try:
-            await server.run_blocking(build)
-        except ServeError as err:
-            fut.fail(err)
-        except ValueError as exc:
-            fut.fail(user_error(str(exc).splitlines()[0]))
-        else:
-            server.add_queue(model_id)
-            fut.complete(
-                Payload(json={"path": req.path, "model_id": model_id, "type": "load_weights"})
-            )
+    def done(_):
+        server.add_queue(model_id)
+        fut.complete(Payload(json={"path": req.path, "model_id": model_id, "type": "load_weights"}))
 
-    _spawn(run())
+    server.complete_later(fut, build, done)
     return _ack(fut, model_id=model_id)
 
 
