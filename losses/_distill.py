@@ -27,7 +27,6 @@ before any arithmetic and get an exactly-zero gradient.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -430,8 +429,30 @@ def _kl_entries(la, lb, tail_a=None, tail_b=None) -> jax.Array:
 
 
 def _mix(spec: _TopKSpec, ls, lt):
-    """``log M = log((1-β)e^{ls} + βe^{lt})``, elementwise."""
-    return jnp.logaddexp(ls + math.log1p(-spec.beta), lt + math.log(spec.beta))
+    """``(βe^{lt}, (1-β)e^{ls}, log M)`` elementwise, ``M = βe^{lt} + (1-β)e^{ls}``: two
+    ``exp`` and one ``log`` per entry (``logaddexp`` would take a third ``exp`` and a
+    ``log1p``), the weights being the KL terms' too. Each ``exp``/``log`` feeds one cheap op
+    (a product, a select) that the terms then share: XLA:CPU fuses that into the pass, where
+    an ``exp`` read by two ops would be written to memory instead. ``log M`` is 0 where ``M``
+    underflows to 0: both weights are 0 there, so every term ``weight·(x - log M)`` is 0, as
+    with the exact ``log M``, and its derivatives stay finite."""
+    a = spec.beta * jnp.exp(lt)
+    b = (1.0 - spec.beta) * jnp.exp(ls)
+    m = a + b
+    pos = m > 0
+    one, zero = jnp.ones((), m.dtype), jnp.zeros((), m.dtype)
+    return a, b, jnp.where(pos, jnp.log(jnp.where(pos, m, one)), zero)
+
+
+def _mix_sum(xs, mixes, tail=None, side=0) -> jax.Array:
+    """``Σ_k w_k·(x_k - log M_k)`` over ``xs`` and their ``mixes = [_mix(...)]``, with ``w =
+    βe^{lt}`` (``side=0``) or ``(1-β)e^{ls}`` (``side=1``), plus the tail bucket's term for
+    ``tail = (x, mix)``, keepdims."""
+    out = _esum([mix[side] * (x - mix[2]) for x, mix in zip(xs, mixes, strict=True)])
+    if tail is not None:
+        x, mix = tail
+        out = out + mix[side] * (x - mix[2])
+    return out
 
 
 def _topk_forward(s: jax.Array, t: jax.Array, valid: jax.Array, spec: _TopKSpec):
@@ -441,14 +462,19 @@ def _topk_forward(s: jax.Array, t: jax.Array, valid: jax.Array, spec: _TopKSpec)
     The gradient with respect to the student's log-entries ``ls_k`` is ``a_k`` (forward:
     ``-e^{lt_k}``; reverse: ``e^{ls_k}(ls_k - lt_k + 1)``; JSD: ``(1-β)e^{ls_k}(ls_k -
     lm_k)``). Renormalising the student adds ``-e^{ls_k}·Σ_j a_j`` (stat ``"sa"``: ``-1``
-    forward and ``ℓ + 1`` reverse, as ``Σ_k e^{ls_k} = 1``; ``(1-β)·KL(S‖M)`` JSD), its tail
-    bucket ``b·ρ·e^{s_k}`` with ``b = ∂ℓ/∂L_s`` (stat ``"kappa"``).
+    forward and ``ℓ + 1`` reverse, as ``Σ_k e^{ls_k} = 1``; JSD ``Σ_j a_j = (1-β)·KL(S‖M)``,
+    and ``"sa"`` holds ``KL(S‖M)``: its gradient is ``(1-β)e^{ls_k}(ls_k - lm_k - KL(S‖M))``),
+    its tail bucket ``b·ρ·e^{s_k}`` with ``b = ∂ℓ/∂L_s`` (stat ``"kappa"``; JSD:
+    ``(1-β)e^{ls_k}(ls_k - lm_k + κ/(1-β))``).
 
     Every statistic the gradient reads is a masked sum that the loss also reduces (or a
-    function of the log-normalisers): XLA then writes each once, ``[..., 1]``. The JSD's second
-    sum, ``KL(S‖M)``, reads entries filled with -0.0 instead of 0.0 where masked: the same
-    values from distinct operations, so that XLA gives it a pass of its own instead of
-    materialising the per-entry terms the two sums would share.
+    function of the log-normalisers): XLA then writes each once, ``[..., 1]``. The JSD sums
+    ``β·KL(T‖M)`` and ``(1-β)·KL(S‖M)`` directly (``ℓ`` is their sum), each entry's weight
+    ``βe^{lt_k}`` or ``(1-β)e^{ls_k}`` being the one `_mix` adds into ``M_k``. With the tail
+    bucket the gradient reads no ``KL(S‖M)``: ``ℓ`` is one sum, one pass. Renormalised, the
+    second sum is a statistic and reads entries filled with -0.0 instead of 0.0 where masked:
+    the same values from distinct operations, so that XLA gives it a pass of its own instead
+    of materialising the per-entry terms the two sums would share.
     """
     v = valid[..., None]
     ls, cs, tail_s, rho = _support(s, _entries(s, valid), valid, spec.student)
@@ -464,21 +490,22 @@ def _topk_forward(s: jax.Array, t: jax.Array, valid: jax.Array, spec: _TopKSpec)
         b = None if tail_s is None else jnp.exp(tail_s) * (tail_s - tail_t + 1.0)
         sa = d + 1.0
     else:
-        lm = [_mix(spec, x, y) for x, y in zip(ls, lt, strict=True)]
-        tail_m = None if tail_s is None else _mix(spec, tail_s, tail_t)
-        if spec.student == "renormalized":  # KL(S‖M) is also a statistic: its own pass
+        mix = [_mix(spec, x, y) for x, y in zip(ls, lt, strict=True)]
+        if spec.student == "tail":  # ℓ = β·KL(T‖M) + (1-β)·KL(S‖M): one sum, one pass
+            tail_m = _mix(spec, tail_s, tail_t)
+            d = _mix_sum(lt, mix, (tail_t, tail_m)) + _mix_sum(ls, mix, (tail_s, tail_m), 1)
+            d = safe(d, v)
+            parts = (d,)
+            b = tail_m[1] * (tail_s - tail_m[2])
+        else:  # (1-β)·KL(S‖M) is also a statistic: its own pass (entries filled with -0.0)
             ls = tuple(e - cs for e in _entries(s, valid, fill=-0.0))
-            lm_s = [
-                _mix(spec, x, y - ct) for x, y in zip(ls, _entries(t, valid, -0.0), strict=True)
-            ]
-        else:
-            lm_s = lm
-        kl_t = safe(_kl_entries(lt, lm, tail_t, tail_m), v)
-        kl_s = safe(_kl_entries(ls, lm_s, tail_s, tail_m), v)
-        d = beta * kl_t + (1.0 - beta) * kl_s
-        parts = (kl_t, kl_s)
-        b = None if tail_s is None else (1.0 - beta) * jnp.exp(tail_s) * (tail_s - tail_m)
-        sa = (1.0 - beta) * kl_s
+            lt_s = tuple(e - ct for e in _entries(t, valid, fill=-0.0))
+            mix_s = [_mix(spec, x, y) for x, y in zip(ls, lt_s, strict=True)]
+            t_m = safe(_mix_sum(lt, mix), v)  # β·KL(T‖M)
+            s_m = safe(_mix_sum(ls, mix_s, side=1), v)  # (1-β)·KL(S‖M)
+            d = t_m + s_m
+            parts = (t_m, s_m)
+            sa = s_m / (1.0 - beta)  # KL(S‖M)
     if spec.student == "renormalized":
         stats["sa"] = sa
     if spec.student == "tail":
@@ -490,9 +517,10 @@ def _topk_forward(s: jax.Array, t: jax.Array, valid: jax.Array, spec: _TopKSpec)
 
 def _topk_part_weights(spec: _TopKSpec) -> tuple[float, ...]:
     """``ℓ = Σ_i weight_i·part_i`` for the ``parts`` of `_topk_forward` (masked per-token sums:
-    ``(KL(T‖M), KL(S‖M))`` JSD, ``(ℓ + |ℓ|)`` under the clamp, ``(ℓ,)`` otherwise)."""
-    if spec.kind == "jsd":
-        return (spec.beta, 1.0 - spec.beta)
+    ``(β·KL(T‖M), (1-β)·KL(S‖M))`` renormalised JSD, ``(ℓ + |ℓ|)`` under the clamp, ``(ℓ,)``
+    otherwise)."""
+    if spec.kind == "jsd" and spec.student == "renormalized":
+        return (1.0, 1.0)
     return (0.5,) if spec.clamp else (1.0,)
 
 
@@ -507,7 +535,12 @@ def _topk_grad(s, t, gate, stats, spec: _TopKSpec) -> jax.Array:
     elif spec.kind == "reverse":
         g = jnp.exp(ls) * (ls - lt + 1.0)
     else:
-        g = (1.0 - spec.beta) * jnp.exp(ls) * (ls - _mix(spec, ls, lt))
+        _, w, lm = _mix(spec, ls, lt)  # w = (1-β)e^{ls}, also the correction's e^{ls}
+        if spec.student == "renormalized":
+            return gate * (w * (ls - lm - stats["sa"]))
+        if spec.student == "tail":
+            return gate * (w * (ls - lm + stats["kappa"] / (1.0 - spec.beta)))
+        return gate * (w * (ls - lm))
     if spec.student == "renormalized":
         g = g - jnp.exp(ls) * stats["sa"]
     elif spec.student == "tail":
