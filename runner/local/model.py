@@ -65,7 +65,7 @@ class LocalTrainerConfig:
         (its ``config.json`` must describe ``decoder``; `from_pretrained` sets both), so that
         ``LocalTrainer(config)`` rebuilds the same model from the config alone.
       unroll_layers: unroll the decoder's layer loop instead of scanning it (decoders only; on
-        CPU about 1.4× faster forward + backward, compile time grows with depth).
+        CPU about as fast forward + backward as the scan, compile time grows with depth).
     """
 
     vocab_size: int = 64

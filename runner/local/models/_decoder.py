@@ -18,9 +18,9 @@ Forward (``LlamaModel.forward``; Qwen2/Qwen3 are the same with their flags):
 
 Parameters are a dict pytree with weights in the torch ``[out, in]`` orientation (so loading
 and saving Hugging Face tensors never transposes) and the layers stacked on a leading ``L`` axis
-and run under `jax.lax.scan` (compile time independent of depth; ``unroll=True`` unrolls the
-loop instead — on XLA:CPU about 1.4× faster forward + backward, at a compile time that grows
-with depth)::
+and run under `jax.lax.scan` (compile time independent of depth; ``unroll=True`` runs a Python
+loop over the layers instead — no stacked residual buffers, at a compile time that grows with
+depth; on XLA:CPU about as fast as the scan, benchmarks/hf_throughput.py)::
 
     {"embed": [V, H], "norm": [H], "lm_head": [V, H] (untied only),
      "layers": {"input_layernorm": [L, H], "post_attention_layernorm": [L, H],
@@ -30,6 +30,15 @@ with depth)::
 
 LoRA adapters: ``{"<proj>": {"lora_A": [L, r, in], "lora_B": [L, out, r]}}``.
 
+Backward (training throughput on XLA:CPU, issue #15): the hot blocks are `jax.custom_vjp`s that
+keep few residuals — `jax.vjp` hands every residual to the backward as an output buffer (and
+`jax.lax.scan` stacks each into a zero-filled ``[L, ...]`` array), so their number is what
+costs: `_norm_linear` (RMSNorm then its projections; keeps ``x`` and the row ``rsqrt``, not
+the normalized input), `_swiglu` (keeps the gate and up pre-activations), `_attention` (keeps
+q, k, v and the row log-sum-exps; the backward recomputes the probabilities, one more ``q kᵀ``).
+Causal attention splits its queries into blocks that skip the fully masked keys (`_attend`).
+LoRA'd projections and MLP biases take the plain autodiff path.
+
 All broadcasting is explicit (tests run with ``jax_numpy_rank_promotion='raise'``). Shape
 suffixes: ``B`` rows, ``T`` query positions, ``S`` key positions, ``H`` hidden, ``N`` query heads,
 ``K`` key/value heads, ``R`` = N/K, ``D`` head dim, ``V`` vocabulary, ``L`` layers.
@@ -37,6 +46,7 @@ suffixes: ``B`` rows, ``T`` query positions, ``S`` key positions, ``H`` hidden, 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -129,6 +139,51 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w.reshape((1,) * (x.ndim - 1) + w.shape) * y.astype(x.dtype)
 
 
+def _rms_stats(x_NH: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    x32 = x_NH.astype(_acc(x_NH.dtype))
+    return x32, jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _norm_linear(eps: float, x_NH, wn_H, ws, bs):
+    """``[n Wᵢᵀ + bᵢ]`` for ``n = rms_norm(x, wn)`` and weights ``ws[i] [Oᵢ, H]`` (``bs[i]`` a bias
+    ``[Oᵢ]`` or ``None``); the same values as `rms_norm` then `_proj`.
+
+    A `jax.custom_vjp` whose backward keeps ``x`` and the per-row ``rsqrt`` only (``n`` is
+    recomputed elementwise), not ``n`` and the normalized ``x``.
+    """
+    return _norm_linear_fwd(eps, x_NH, wn_H, ws, bs)[0]
+
+
+def _norm_linear_fwd(eps, x, wn, ws, bs):
+    x32, r = _rms_stats(x, eps)
+    y = (x32 * r).astype(x.dtype)
+    n = wn[None, :] * y
+    outs = tuple(
+        n @ w.T if b is None else n @ w.T + b[None, :] for w, b in zip(ws, bs, strict=True)
+    )
+    return outs, (x, r, wn, ws, bs)
+
+
+def _norm_linear_bwd(eps, res, douts):
+    x, r, wn, ws, bs = res
+    x32 = x.astype(r.dtype)
+    y = (x32 * r).astype(x.dtype)
+    n = wn[None, :] * y
+    dn = douts[0] @ ws[0]
+    for w, d in zip(ws[1:], douts[1:], strict=True):
+        dn = dn + d @ w
+    dws = tuple(d.T @ n for d in douts)
+    dbs = tuple(None if b is None else jnp.sum(d, axis=0) for b, d in zip(bs, douts, strict=True))
+    dwn = jnp.sum(dn * y, axis=0)
+    g = (dn * wn[None, :]).astype(r.dtype)
+    dx = r * g - x32 * (r * r * r) * jnp.mean(g * x32, axis=-1, keepdims=True)
+    return dx.astype(x.dtype), dwn, dws, dbs
+
+
+_norm_linear.defvjp(_norm_linear_fwd, _norm_linear_bwd)
+
+
 def _proj(x_BTI: jax.Array, layer: Params, lora: Params, name: str, scale: float) -> jax.Array:
     # As one [B·T, I] x [I, O] matrix product: XLA:CPU runs a 3-D einsum whose operand is an
     # elementwise fusion (SwiGLU's silu(gate)·up) with a slow loop instead of its GEMM, which
@@ -146,29 +201,127 @@ def _proj(x_BTI: jax.Array, layer: Params, lora: Params, name: str, scale: float
     return y.reshape(B, T, y.shape[-1])
 
 
+#: Causal attention splits its queries into blocks of at least this many positions (at most
+#: `_CAUSAL_MAX_BLOCKS`); block ``i`` attends to the keys of blocks ``≤ i`` only.
+_CAUSAL_BLOCK_MIN = 64
+_CAUSAL_MAX_BLOCKS = 4
+
+
+def _causal_blocks(T: int) -> int:
+    nb = min(_CAUSAL_MAX_BLOCKS, T // _CAUSAL_BLOCK_MIN)
+    while nb > 1 and T % nb:
+        nb -= 1
+    return max(nb, 1)
+
+
 def _attend(
-    q_BTND: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BTS: jax.Array
+    q_BTND: jax.Array,
+    k_BSKD: jax.Array,
+    v_BSKD: jax.Array,
+    mask_BTS: jax.Array,
+    *,
+    causal: bool = False,
 ) -> jax.Array:
-    """Grouped-query softmax attention with a boolean key mask; returns ``[B, T, N·D]``."""
+    """Grouped-query softmax attention with a boolean key mask; returns ``[B, T, N·D]``.
+
+    A `jax.custom_vjp` (`_attention`): the backward keeps q, k, v and the per-row softmax
+    statistics, recomputes the probabilities and runs the softmax backward as one fused
+    elementwise pass. ``causal`` promises that ``mask`` is (at most) the causal mask with
+    ``T = S``: the queries are then split into `_causal_blocks` blocks and block ``i`` attends to
+    the keys of blocks ``≤ i`` only (the keys it skips are masked, exact zeros in the softmax, so
+    the values are unchanged; about 5/8 of the score products for 4 blocks).
+    """
     B, T, N, D = q_BTND.shape
     K = k_BSKD.shape[2]
-    q = q_BTND.reshape(B, T, K, N // K, D)
-    scores = jnp.einsum("btkrd,bskd->bkrts", q, k_BSKD) * (D**-0.5)
+    R = N // K
+    # [B, K, T·R, D]: each key/value head's query rows as one matrix (a layout every product
+    # below reads without a transpose).
+    q = q_BTND.reshape(B, T, K, R, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * R, D)
+    k = k_BSKD.transpose(0, 2, 1, 3)
+    v = v_BSKD.transpose(0, 2, 1, 3)
+    nb = _causal_blocks(T) if causal and T == k.shape[2] else 1
+    if nb > 1:
+        c = T // nb
+        outs = []
+        for i in range(nb):
+            lo, hi = i * c, (i + 1) * c
+            qi = q[:, :, lo * R : hi * R]
+            outs.append(_attention(qi, k[:, :, :hi], v[:, :, :hi], mask_BTS[:, lo:hi, :hi]))
+        out = jnp.concatenate(outs, axis=2)
+    else:
+        out = _attention(q, k, v, mask_BTS)  # [B, K, T·R, D]
+    return out.reshape(B, K, T, R, D).transpose(0, 2, 1, 3, 4).reshape(B, T, N * D)
+
+
+def _attn_scores(q_BKMD, k_BKSD, mask_BTS):
+    """Masked float32 scores ``[B, K, T, R, S]``."""
+    B, K, M, D = q_BKMD.shape
+    T, S = mask_BTS.shape[1:]
+    scores = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD) * (D**-0.5)
     acc = _acc(scores.dtype)
-    scores = scores.astype(acc)
-    scores = jnp.where(mask_BTS[:, None, None, :, :], scores, jnp.finfo(acc).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_BTND.dtype)
-    out = jnp.einsum("bkrts,bskd->btkrd", probs, v_BSKD)
-    return out.reshape(B, T, N * D)
+    scores = scores.astype(acc).reshape(B, K, T, M // T, S)
+    return jnp.where(mask_BTS[:, None, :, None, :], scores, jnp.finfo(acc).min)
+
+
+@jax.custom_vjp
+def _attention(q_BKMD, k_BKSD, v_BKSD, mask_BTS):
+    """``softmax(q kᵀ · D^-0.5 + mask) v`` per key/value head; ``M = T·R`` rows ``(t, r)``."""
+    return _attention_fwd(q_BKMD, k_BKSD, v_BKSD, mask_BTS)[0]
+
+
+def _softmax(scores, row_max, row_sum):
+    return jnp.exp(scores - row_max) / row_sum
+
+
+def _attention_fwd(q, k, v, mask):
+    B, K, M, _ = q.shape
+    scores = _attn_scores(q, k, mask)
+    # jax.nn.softmax's arithmetic, with its row max and sum kept: the backward recomputes the
+    # probabilities from q, k (one more q kᵀ product) instead of storing a [B, K, M, S] float32
+    # residual.
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_sum = jnp.sum(jnp.exp(scores - row_max), axis=-1, keepdims=True)
+    probs = _softmax(scores, row_max, row_sum).reshape(B, K, M, -1)
+    out = jnp.einsum("bkms,bksd->bkmd", probs.astype(q.dtype), v)
+    return out, (q, k, v, mask, row_max, row_sum)
+
+
+def _attention_bwd(res, dout):
+    q, k, v, mask, row_max, row_sum = res
+    B, K, M, D = q.shape
+    T, S = mask.shape[1:]
+    dt = q.dtype
+    p32 = _softmax(_attn_scores(q, k, mask), row_max, row_sum).reshape(B, K, M, S)
+    dv = jnp.einsum("bkms,bkmd->bksd", p32.astype(dt), dout)
+    dp = jnp.einsum("bkmd,bksd->bkms", dout, v).astype(p32.dtype)
+    ds = p32 * (dp - jnp.sum(dp * p32, axis=-1, keepdims=True))
+    # Masked scores get no gradient (the forward's ``where``), even in a fully masked row.
+    ds = jnp.where(mask[:, None, :, None, :], ds.reshape(B, K, T, M // T, S), 0.0)
+    ds = (ds.reshape(B, K, M, S) * (D**-0.5)).astype(dt)
+    dq = jnp.einsum("bkms,bksd->bkmd", ds, k)
+    dk = jnp.einsum("bkms,bkmd->bksd", ds, q)
+    dmask = np.zeros(mask.shape, jax.dtypes.float0)
+    return dq, dk, dv, dmask
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _qkv(cfg: DecoderConfig, layer: Params, lora: Params, x_BTH, cos, sin, scale: float):
     B, T, _ = x_BTH.shape
     d, eps = cfg.head_dim, cfg.rms_norm_eps
-    n = rms_norm(x_BTH, layer["input_layernorm"], eps)
-    q = _proj(n, layer, lora, "q_proj", scale).reshape(B, T, cfg.num_heads, d)
-    k = _proj(n, layer, lora, "k_proj", scale).reshape(B, T, cfg.num_kv_heads, d)
-    v = _proj(n, layer, lora, "v_proj", scale).reshape(B, T, cfg.num_kv_heads, d)
+    names = ("q_proj", "k_proj", "v_proj")
+    if any(name in lora for name in names):
+        n = rms_norm(x_BTH, layer["input_layernorm"], eps)
+        q, k, v = (_proj(n, layer, lora, name, scale) for name in names)
+    else:
+        ws = tuple(layer[name] for name in names)
+        bs = tuple(layer.get(f"{name}_bias") for name in names)
+        x = x_BTH.reshape(B * T, -1)
+        q, k, v = _norm_linear(eps, x, layer["input_layernorm"], ws, bs)
+    q = q.reshape(B, T, cfg.num_heads, d)
+    k = k.reshape(B, T, cfg.num_kv_heads, d)
+    v = v.reshape(B, T, cfg.num_kv_heads, d)
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], eps)
         k = rms_norm(k, layer["k_norm"], eps)
@@ -176,9 +329,47 @@ def _qkv(cfg: DecoderConfig, layer: Params, lora: Params, x_BTH, cos, sin, scale
 
 
 def _mlp(cfg: DecoderConfig, layer: Params, lora: Params, x_BTH, scale: float) -> jax.Array:
+    if not cfg.mlp_bias and not any(name in lora for name in ("gate_proj", "up_proj", "down_proj")):
+        B, T, H = x_BTH.shape
+        ws = (layer["gate_proj"], layer["up_proj"])
+        gate, up = _norm_linear(
+            cfg.rms_norm_eps,
+            x_BTH.reshape(B * T, H),
+            layer["post_attention_layernorm"],
+            ws,
+            (None, None),
+        )
+        return _swiglu(gate, up, layer["down_proj"]).reshape(B, T, H)
     m = rms_norm(x_BTH, layer["post_attention_layernorm"], cfg.rms_norm_eps)
     gate = jax.nn.silu(_proj(m, layer, lora, "gate_proj", scale))
     return _proj(gate * _proj(m, layer, lora, "up_proj", scale), layer, lora, "down_proj", scale)
+
+
+@jax.custom_vjp
+def _swiglu(g_NI, u_NI, wd_HI):
+    """``(silu(g) ⊙ u) Wdᵀ``; the backward keeps ``g`` and ``u`` only (silu and the product are
+    recomputed elementwise)."""
+    return _swiglu_fwd(g_NI, u_NI, wd_HI)[0]
+
+
+def _swiglu_fwd(g, u, wd):
+    return (jax.nn.silu(g) * u) @ wd.T, (g, u, wd)
+
+
+def _swiglu_bwd(res, dy):
+    g, u, wd = res
+    acc = _acc(g.dtype)
+    g32 = g.astype(acc)
+    sig = jax.nn.sigmoid(g32)
+    silu = jax.nn.silu(g)
+    da = dy @ wd
+    dwd = dy.T @ (silu * u)
+    du = da * silu
+    dg = (da.astype(acc) * u.astype(acc) * (sig * (1 + g32 * (1 - sig)))).astype(g.dtype)
+    return dg, du, dwd
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def _rope_tables(cfg: DecoderConfig, positions_BT: jax.Array, dtype):
@@ -220,11 +411,25 @@ def hidden_states(
     def block(x, layer_lora):
         layer, lr = layer_lora
         q, k, v = _qkv(cfg, layer, lr, x, cos, sin, lora_scale)
-        x = x + _proj(_attend(q, k, v, mask), layer, lr, "o_proj", lora_scale)
+        x = x + _proj(_attend(q, k, v, mask, causal=True), layer, lr, "o_proj", lora_scale)
         x = x + _mlp(cfg, layer, lr, x, lora_scale)
         return x, ((k, v) if with_kv else None)
 
-    x, kv = jax.lax.scan(block, x, (params["layers"], lora or {}), unroll=_unroll(unroll))
+    stacked = (params["layers"], lora or {})
+    if unroll:
+        # A Python loop over the layers: no stacked [L, ...] residual buffers (each a zero-filled
+        # allocation plus a copy per layer under `jax.lax.scan`). The per-layer weights come
+        # from one `jax.lax.split` per stacked array, whose transpose is one concatenate.
+        L = cfg.num_layers
+        leaves, tree = jax.tree.flatten(stacked)
+        parts = [jax.lax.split(a, (1,) * L) for a in leaves]
+        outs = []
+        for i in range(L):
+            x, out = block(x, tree.unflatten([jnp.squeeze(p[i], 0) for p in parts]))
+            outs.append(out)
+        kv = tuple(jnp.stack(t) for t in zip(*outs, strict=True)) if with_kv else None
+    else:
+        x, kv = jax.lax.scan(block, x, stacked)
     h = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     return (h, *kv) if with_kv else h
 
