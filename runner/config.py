@@ -36,7 +36,7 @@ class ModelConfig:
     ``lora_targets``: ``all-linear`` or ``q_proj,v_proj,...``) on a decoder, whose weights stay
     frozen; ``dtype`` (float32 | bfloat16), ``logprob_chunk`` (tokens per chunk of the
     memory-bounded logprobs, 0 = materialized) and ``unroll_layers`` (unroll the layer loop
-    instead of scanning it: faster steps, compile time growing with depth) apply to decoders."""
+    instead of scanning it: about as fast, compile time growing with depth) apply to decoders."""
 
     d_model: int = 64
     n_layers: int = 2
