@@ -363,6 +363,47 @@ def test_sampling_reproduces_the_local_backend_sample_by_sample(served, trainer)
     assert trainer.counters["sample"] == 9 and trainer.counters["sampler_sync"] == 1
 
 
+class _FrozenClock:
+    """The `time` module, except that ``time()`` stands still (one second for everyone)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        import time
+
+        return getattr(time, name)
+
+
+def test_trainers_provisioned_in_one_second_each_hot_load_their_own_deployment(served, monkeypatch):
+    # The SDK's default deployment id is `<model>-<unix seconds>`: without the runner's own
+    # id (`fresh_deployment_id`), the second trainer got the first one's deployment, still
+    # hot-loading the first trainer's job (a flaky CI failure of the test below).
+    import time
+
+    from fireworks.training.sdk import managed
+
+    monkeypatch.setattr(managed, "time", _FrozenClock(time.time()))
+    first, second = connect(served), connect(served)
+    try:
+        control = control_plane(served)
+        ids = []
+        for t in (first, second):
+            t.sample([[1, 2]], num_samples=1, max_tokens=2)
+            dep = t.service.deployment_id
+            assert control.deployments[dep]["hotLoadTrainerJob"] == control.job_name(
+                t.trainer_job_id
+            )
+            ids.append(dep)
+        assert ids[0] != ids[1]
+    finally:
+        first.close()
+        second.close()
+
+
 def test_completions_seeds_echo_and_non_streamed_replies(served, trainer):
     trainer.sample([[1, 2]], num_samples=1, max_tokens=2)  # hot-load the current weights
     control = control_plane(served)

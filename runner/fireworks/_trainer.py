@@ -772,6 +772,20 @@ def _close_quietly(obj: Any) -> None:
 # -- construction from the main job's config ----------------------------------------------
 
 
+def fresh_deployment_id(base_model: str) -> str:
+    """A new hot-load deployment's id: ``<model>-<unix seconds>-<8 hex digits>``.
+
+    The SDK's own default (`[fireworks].deployment_id` empty) is ``<model>-<unix seconds>``:
+    two trainers provisioned within one second get the same id, the second *gets* the first's
+    deployment instead of creating one -- still hot-loading the first trainer's job -- and
+    samples another run's weights (seen with two tests' trainers on the local server). An id
+    the SDK is given explicitly is created when it does not exist (reattached when it does), so
+    a random suffix keeps runs apart; the deployment is still the SDK's to clean up.
+    """
+    model = dns_label(str(base_model).rstrip("/").rsplit("/", 1)[-1], 40)
+    return f"{model}-{int(time.time())}-{uuid.uuid4().hex[:8]}"
+
+
 def _connect(fcfg: Any, api_key: str) -> tuple[Any, Any, Any, str | None]:
     """``(service, training client, control plane, trainer job id)`` from ``[fireworks]``.
 
@@ -788,7 +802,7 @@ def _connect(fcfg: Any, api_key: str) -> tuple[Any, Any, Any, str | None]:
         base_model=fcfg.base_model,
         training_shape_id=fcfg.training_shape_id,
         trainer_job_id=fcfg.trainer_job_id or None,
-        deployment_id=fcfg.deployment_id or None,
+        deployment_id=fcfg.deployment_id or fresh_deployment_id(fcfg.base_model),
         max_context_length=fcfg.max_seq_len,
         cleanup_trainer_on_close=False,
     )
