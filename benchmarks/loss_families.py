@@ -46,9 +46,21 @@ def _rl(**kw) -> losses.Term:
     return losses.grpo(clip_low=0.2, clip_high=0.28, reduction="token_mean", **kw)
 
 
-#: (family, row label, term factory, first-argument kind): ``"logprobs"`` [B, T], ``"values"``
-#: [B, T] (the critic), ``"topk"`` [B, T, K] student logprobs.
-FAMILIES: list[tuple[str, str, Callable[[], losses.Term], str]] = [
+def topk_floor(student_BTK: jax.Array, batch: losses.Batch) -> tuple[jax.Array, dict]:
+    """Not a loss term: the least work any top-K term's ``value_and_grad`` can do.
+
+    ``½ Σ m·(s − t)²`` over the student and teacher ``[B, T, K]`` logprobs and the action mask
+    ``m``: it reads every input a top-K term reads and writes the ``[B, T, K]`` gradient
+    ``m·(s − t)``, with no transcendental. A top-K row within 2× of GRPO needs this floor to be
+    well under 2× GRPO's time; its ratio shows how much of a top-K row is bandwidth.
+    """
+    d = batch.action_mask[..., None] * (student_BTK - batch.teacher_topk_logprobs)
+    return 0.5 * jnp.sum(d * (student_BTK - batch.teacher_topk_logprobs)), {}
+
+
+#: (family, row label, factory of a term (or of `topk_floor`), first-argument kind):
+#: ``"logprobs"`` [B, T], ``"values"`` [B, T] (the critic), ``"topk"`` [B, T, K] student logprobs.
+FAMILIES: list[tuple[str, str, Callable[[], Callable], str]] = [
     ("baseline", "grpo (k3 KL 0.05)", lambda: _rl(kl_coef=0.05, kl_estimator="k3"), "logprobs"),
     (
         "KL variants",
@@ -96,6 +108,12 @@ FAMILIES: list[tuple[str, str, Callable[[], losses.Term], str]] = [
     ("distillation", f"topk_reverse_kl (K={TOP_K})", losses.topk_reverse_kl, "topk"),
     ("distillation", f"topk_jsd (K={TOP_K})", losses.topk_jsd, "topk"),
     ("critic", "value_loss (clip 0.5)", losses.value_loss, "values"),
+    (
+        "floor",
+        f"data floor: read the [B, T, K={TOP_K}] inputs, write their gradient",
+        lambda: topk_floor,
+        "topk",
+    ),
 ]
 
 
@@ -125,7 +143,7 @@ def family_inputs(lp: np.ndarray, fields: dict, seed: int = 0):
     return inputs, batch
 
 
-def _jitted(term: losses.Term):
+def _jitted(term: Callable):
     grad = jax.jit(jax.value_and_grad(lambda x, b: term(x, b)[0]))
 
     def run(x, batch):

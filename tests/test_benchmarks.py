@@ -99,7 +99,7 @@ def test_loss_speed_quick(quick):
                 assert r[f"torch_{name}_over_foldloss"] > 0, name
     # One row per round-2 loss family, each finite, every family represented.
     families = {r["family"] for r in data["families"]}
-    assert families >= {"baseline", "preference", "distillation", "critic", "filters"}
+    assert families >= {"baseline", "preference", "distillation", "critic", "filters", "floor"}
     for r in data["families"]:
         assert r["finite"] and r["ms"] > 0 and r["over_grpo"] > 0, r["term"]
     assert "Loss families vs GRPO" in data["markdown"]
@@ -278,3 +278,19 @@ def test_synthetic_multi_turn_seqs():
         make(np.random.default_rng(0))
     with pytest.raises(ValueError, match="logprobs must be None or 'exponential'"):
         make(np.random.default_rng(0), 2, logprobs="normal")
+
+
+def test_the_topk_floor_reads_every_topk_input_and_returns_their_gradient():
+    import jax
+    import numpy as np
+
+    import losses
+
+    families = load("loss_families")
+    rng = np.random.default_rng(0)
+    s, t = rng.normal(size=(2, 3, 5, 4))
+    m = (rng.random((3, 5)) < 0.6).astype(np.float64)
+    batch = losses.Batch(action_mask=m, teacher_topk_logprobs=t)
+    value, grad = jax.value_and_grad(lambda x: families.topk_floor(x, batch)[0])(s)
+    np.testing.assert_allclose(value, 0.5 * np.sum(m[..., None] * (s - t) ** 2), rtol=1e-12)
+    np.testing.assert_allclose(grad, m[..., None] * (s - t), rtol=1e-12)
