@@ -8,7 +8,10 @@ tokens it times, interleaved round by round after a warm-up (compilation exclude
 
 * ``LocalTrainer.forward_backward(seqs, "cross_entropy")`` (weights 1: the summed token NLL,
   the gradient accumulated and waited for) with the layers scanned (default) and unrolled
-  (``unroll_layers=True``), logprobs chunked (default 256 tokens);
+  (``unroll_layers=True``), logprobs chunked (default 256 tokens). ``cross_entropy`` is linear
+  in the logprobs, so this is the trainer's one-call fused path (`runner.local.trainer`: the
+  head's logits formed once per chunk, never recomputed), not the generic forward / kernel /
+  pullback calls of the other kernels;
 * transformers + torch on CPU, float32, sdpa attention, train mode: ``zero_grad``; logits →
   ``log_softmax`` → gather the targets → ``-(sum)``; ``backward()``.
 

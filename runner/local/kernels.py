@@ -15,9 +15,12 @@ score centering is undocumented).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import losses
@@ -37,6 +40,7 @@ __all__ = [
     "SUPPORTED",
     "build_batch",
     "check_inputs",
+    "linear_gradient",
     "resolve",
     "server_metrics",
     "term",
@@ -80,6 +84,27 @@ def resolve(loss_name: str, config: Mapping[str, Any] | None) -> tuple[KernelSpe
 def term(kernel_name: str, frozen: tuple) -> losses.Term:
     """The kernel's `losses` term for a config frozen by `resolve`."""
     return KERNELS[kernel_name].term(dict(frozen))
+
+
+@functools.cache
+def linear_gradient(kernel_name: str, frozen: tuple) -> Callable[[losses.Batch], Any] | None:
+    """``batch -> dL/dlogprobs[B, T]`` for a kernel whose term is linear in the logprobs, else
+    ``None``.
+
+    Linear means a gradient fixed by the data alone (`losses.Term.data_weights`: ``L = Σ
+    w·(-logp)``, the ``cross_entropy`` kernel). The function returns the term's own gradient,
+    taken at ``logp = 0`` (the same array as at any logprobs), so the trainer knows it before the
+    model's forward and runs its fused head (`runner.local.models.DecoderArch.linear_loss`).
+    """
+    t = term(kernel_name, frozen)
+    if t.data_weights is None:
+        return None
+
+    def gradient(batch: losses.Batch):
+        zeros = jnp.zeros(batch.action_mask.shape, batch.action_mask.dtype)
+        return jax.grad(lambda lp: t.fn(lp, batch)[0])(zeros)
+
+    return gradient
 
 
 def check_inputs(kernel: KernelSpec, seqs: Sequence[Seq]) -> None:

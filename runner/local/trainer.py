@@ -11,11 +11,22 @@ padded to a power of two ≥ 16 (capped at ``max_seq_len``) and the row count to
 multiple of the device count (≥ `LocalTrainer.MIN_ROWS`). Padded rows and positions are masked
 out exactly (their logprobs are 0, their kernel weights 0).
 
-One ``forward_backward`` is three jitted calls: the model forward returning ``(logprobs,
-pullback)`` (the `jax.vjp` pullback is a pytree of residuals), the kernel's ``value_and_grad`` on
-the logprobs (tiny; one compile per kernel config), and the pullback of ``dL/dlogprobs`` summed
-into the accumulator. That is 1 forward + 1 backward, exactly the chain rule of
-``jax.grad(term ∘ token_logprobs)``, and the model compiles once per bucket for all kernels.
+One ``forward_backward`` is, in general, three jitted calls: the model forward returning
+``(logprobs, pullback)`` (the `jax.vjp` pullback is a pytree of residuals), the kernel's
+``value_and_grad`` on the logprobs (tiny; one compile per kernel config), and the pullback of
+``dL/dlogprobs`` summed into the accumulator. That is 1 forward + 1 backward, exactly the chain
+rule of ``jax.grad(term ∘ token_logprobs)``, and the model compiles once per bucket for all
+kernels.
+
+A kernel linear in the logprobs (``cross_entropy``: ``dL/dlogprobs = -weights`` is known from the
+batch alone, `runner.local.kernels.linear_gradient`) on a decoder (``arch.fused_linear_loss``)
+is one jitted call instead, `_linear_forward_backward_jit`: ``value_and_grad`` of ``Σ g·logprobs``
+through the fused head (`runner.local.models.DecoderArch.linear_loss`), which forms each chunk's
+logits once and never recomputes them (3 head products instead of 5), then the kernel's loss and
+metrics on the logprobs and the accumulation. It compiles once per bucket for that kernel (in
+addition to the generic model compile, when other kernels run too); the values and the gradient
+are the generic path's up to floating-point summation order. The GPT-2 default has no fused head
+and always takes the generic path.
 
 Data parallelism: a 1-D `jax.sharding.Mesh` over ``jax.devices()`` (axis ``"data"``); padded
 batch rows are sharded over it, parameters, optimizer state and the gradient accumulator are
@@ -142,6 +153,41 @@ def _kernel_jit(kernel_name: str, frozen: tuple, rep: NamedSharding):
         return loss, metrics, g_lp.astype(lp.dtype), nz_B
 
     return jax.jit(kernel, out_shardings=(rep, rep, None, None))
+
+
+@functools.cache
+def _linear_forward_backward_jit(
+    arch: Gpt2Arch | DecoderArch, kernel_name: str, frozen: tuple, rep: NamedSharding
+):
+    """One call for a kernel linear in the logprobs (`runner.local.kernels.linear_gradient`):
+    ``(logprobs, loss, metrics, non-zero-gradient tokens per row, acc + dL/dparams)``.
+
+    ``g = dL/dlogprobs`` comes from the batch alone, so the model runs ``value_and_grad`` of
+    ``Σ g·logprobs`` through its fused head (`DecoderArch.linear_loss`: the head's logits are
+    formed once, never recomputed), and the kernel's loss and metrics are evaluated on the
+    returned logprobs. The same values and gradient as `_model_vjp_jit` → `_kernel_jit` →
+    `_backward_jit`, up to floating-point summation order.
+    """
+    term = kernels.term(kernel_name, frozen)
+    gradient = kernels.linear_gradient(kernel_name, frozen)
+    if gradient is None or not arch.fused_linear_loss:
+        raise ValueError(f"{kernel_name} on {type(arch).__name__}: no fused linear-loss path")
+    trace_key = f"linear_forward_backward:{kernel_name}"
+
+    def forward_backward(params, frozen_params, tokens, lengths, batch, acc):
+        TRACE_COUNTS[trace_key] += 1
+        g_lp = gradient(batch)
+
+        def linear(p):
+            return arch.linear_loss(p, frozen_params, tokens, lengths, g_lp)
+
+        (_, lp), grads = jax.value_and_grad(linear, has_aux=True)(params)
+        loss, metrics = term.fn(lp, batch)
+        nonzero = (g_lp != 0) & (batch.action_mask > 0)
+        nz_B = jnp.sum(nonzero.astype(jnp.int32), axis=1)
+        return lp, loss, metrics, nz_B, jax.tree.map(jnp.add, acc, grads)
+
+    return jax.jit(forward_backward, out_shardings=(None, rep, rep, None, rep))
 
 
 @functools.cache
@@ -426,12 +472,17 @@ class LocalTrainer:
         tokens, lengths, rows, width = self._pad(seqs)
         fields = kernels.build_batch(kernel, seqs, rows, width, self._lp_dtype)
         batch = losses.Batch(**{k: self._put_rows(v) for k, v in fields.items()})
-        lp, pullback = _model_vjp_jit(self.arch)(
-            self._params, self._frozen, self._put_rows(tokens), self._put_rows(lengths)
-        )
-        loss, metrics, g_lp, nz_B = _kernel_jit(kernel.name, frozen, self._rep)(lp, batch)
+        tokens, lengths = self._put_rows(tokens), self._put_rows(lengths)
         acc = self._grads if self._grads is not None else self._zeros_fn(self._params)
-        self._grads = _backward_jit(self._rep)(pullback, g_lp, acc)
+        if self.arch.fused_linear_loss and kernels.linear_gradient(kernel.name, frozen) is not None:
+            fn = _linear_forward_backward_jit(self.arch, kernel.name, frozen, self._rep)
+            lp, loss, metrics, nz_B, self._grads = fn(
+                self._params, self._frozen, tokens, lengths, batch, acc
+            )
+        else:
+            lp, pullback = _model_vjp_jit(self.arch)(self._params, self._frozen, tokens, lengths)
+            loss, metrics, g_lp, nz_B = _kernel_jit(kernel.name, frozen, self._rep)(lp, batch)
+            self._grads = _backward_jit(self._rep)(pullback, g_lp, acc)
         nz_B = np.asarray(jax.device_get(nz_B))[: len(seqs)]
         n_tok, n_seq = int(nz_B.sum()), int((nz_B > 0).sum())
         self._num_loss_tokens += n_tok

@@ -8,6 +8,8 @@ bucket for every model of the same shape:
 - ``prefill(params, frozen, prompts_RP, prompt_lens_R) -> (last logits[R, V], keys, values)``
 - ``decode_step(params, frozen, tokens_B, positions_B, k_cache, v_cache)
   -> (logits[B, V], k_cache, v_cache)``
+- ``linear_loss(params, frozen, tokens_BT, lengths_B, g_BT) -> (Σ g·lp, lp[B, T-1])``, only
+  where ``fused_linear_loss`` is true (the decoders; the GPT-2 default has no fused head)
 
 ``params`` are the trainable parameters (what the optimizer updates and the gradient is taken
 with respect to); ``frozen`` are the rest: ``{}`` for full fine-tuning, the base weights for
@@ -17,7 +19,7 @@ LoRA (whose ``params`` are the adapters).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,10 @@ class Gpt2Arch:
     """The default GPT-2-style model (`runner.local.model`); ``frozen`` is always ``{}``."""
 
     n_heads: int
+
+    #: No fused linear-loss head (`DecoderArch.linear_loss`): its head is the materialized
+    #: logits under plain autodiff, and the trainer runs every kernel through the generic path.
+    fused_linear_loss: ClassVar[bool] = False
 
     def token_logprobs(self, params, frozen, tokens_BT, lengths_B) -> jax.Array:
         del frozen
@@ -79,6 +85,17 @@ class DecoderArch:
         weights, lora = self._split(params, frozen)
         return _decoder.token_logprobs(
             self.config, weights, tokens_BT, lengths_B, chunk=self.chunk, **self._kw(lora)
+        )
+
+    #: `linear_loss` runs the fused head (the trainer's linear-kernel path).
+    fused_linear_loss: ClassVar[bool] = True
+
+    def linear_loss(self, params, frozen, tokens_BT, lengths_B, g_BT):
+        """``(Σ g·lp, lp[B, T-1])`` for fixed weights ``g[B, T-1]``; only the sum is
+        differentiable (`runner.local.models._decoder.linear_loss`)."""
+        weights, lora = self._split(params, frozen)
+        return _decoder.linear_loss(
+            self.config, weights, tokens_BT, lengths_B, g_BT, chunk=self.chunk, **self._kw(lora)
         )
 
     def prefill(self, params, frozen, prompts_RP, prompt_lens_R):

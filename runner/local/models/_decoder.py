@@ -37,7 +37,10 @@ costs: `_norm_linear` (RMSNorm then its projections; keeps ``x`` and the row ``r
 the normalized input), `_swiglu` (keeps the gate and up pre-activations), `_attention` (keeps
 q, k, v and the row log-sum-exps; the backward recomputes the probabilities, one more ``q kᵀ``).
 Causal attention splits its queries into blocks that skip the fully masked keys (`_attend`).
-LoRA'd projections and MLP biases take the plain autodiff path.
+LoRA'd projections and MLP biases take the plain autodiff path. The RoPE tables of the training
+forward (positions ``0..T-1``) are trace-time constants, so XLA does not recompute cos/sin inside
+every fusion that reads them. `linear_loss` (a loss linear in the logprobs) runs the fused head
+`runner.local.models._logprobs.linear_loss`.
 
 All broadcasting is explicit (tests run with ``jax_numpy_rank_promotion='raise'``). Shape
 suffixes: ``B`` rows, ``T`` query positions, ``S`` key positions, ``H`` hidden, ``N`` query heads,
@@ -403,8 +406,11 @@ def hidden_states(
     """
     B, T = tokens_BT.shape
     x = params["embed"][tokens_BT]
-    positions = jnp.broadcast_to(jnp.arange(T)[None, :], (B, T))
-    cos, sin = _rope_tables(cfg, positions, x.dtype)
+    # Positions 0..T-1 are static: the RoPE tables are evaluated once at trace time (constants
+    # [1, T, d], broadcast over the rows). Traced, XLA fuses cos/sin into every consumer (each
+    # causal block's query/key slice, each backward product), recomputing them per element.
+    with jax.ensure_compile_time_eval():
+        cos, sin = _rope_tables(cfg, jnp.arange(T)[None, :], x.dtype)
     causal = jnp.tril(jnp.ones((T, T), bool))
     mask = jnp.broadcast_to(causal[None, :, :], (B, T, T))
 
@@ -468,14 +474,54 @@ def token_logprobs(
       float[B, T-1] (``promote_types(dtype, float32)``): ``log p(x[t+1] | x[:t+1])`` for
       ``t < N_i - 1``, exactly 0 on padding.
     """
+    h_NH, y_N, valid_BT = _head_inputs(cfg, params, tokens_BT, lengths_B, lora, lora_scale, unroll)
+    lp = _logprobs.token_logprobs(h_NH, unembedding(params), y_N, chunk=chunk)
+    lp = lp.reshape(valid_BT.shape)
+    return jnp.where(valid_BT, lp, jnp.zeros((), lp.dtype))
+
+
+def _head_inputs(cfg, params, tokens_BT, lengths_B, lora, lora_scale, unroll):
+    """``(h[N, H], targets[N], valid[B, T-1])`` with ``N = B·(T-1)``: the head's inputs of
+    right-padded full sequences (``valid``: target ``t < N_i - 1``)."""
     inputs, targets = tokens_BT[:, :-1], tokens_BT[:, 1:]
     B, T1 = targets.shape
     h = hidden_states(cfg, params, inputs, lora=lora, lora_scale=lora_scale, unroll=unroll)
-    lp = _logprobs.token_logprobs(
-        h.reshape(B * T1, h.shape[-1]), unembedding(params), targets.reshape(-1), chunk=chunk
-    ).reshape(B, T1)
     valid = jnp.arange(T1)[None, :] < (lengths_B[:, None] - 1)
-    return jnp.where(valid, lp, jnp.zeros((), lp.dtype))
+    return h.reshape(B * T1, h.shape[-1]), targets.reshape(-1), valid
+
+
+def linear_loss(
+    cfg: DecoderConfig,
+    params: Params,
+    tokens_BT: jax.Array,
+    lengths_B: jax.Array,
+    g_BT: jax.Array,
+    *,
+    chunk: int,
+    lora: Params | None = None,
+    lora_scale: float = 1.0,
+    unroll: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """``(L, lp)``: `token_logprobs` and ``L = Σ g·lp`` for fixed weights ``g`` (a loss linear
+    in the logprobs), through the fused head `runner.local.models._logprobs.linear_loss`.
+
+    ``L`` is differentiable (its gradient equals that of ``Σ g·token_logprobs(...)``, with the
+    head's logits computed once: no recompute in the backward); ``lp`` is not (stop-gradient).
+
+    Args:
+      cfg, params, tokens_BT, lengths_B, chunk, lora, lora_scale, unroll: as `token_logprobs`.
+      g_BT: float[B, T-1] ``dL/dlp`` (padding entries are ignored: their ``lp`` is 0).
+
+    Returns:
+      ``(L, lp[B, T-1])`` in ``promote_types(dtype, float32)``, ``lp`` exactly 0 on padding.
+    """
+    h_NH, y_N, valid_BT = _head_inputs(cfg, params, tokens_BT, lengths_B, lora, lora_scale, unroll)
+    if g_BT.shape != valid_BT.shape:
+        raise ValueError(f"linear_loss: weights {g_BT.shape}, expected {valid_BT.shape}")
+    g_N = jnp.where(valid_BT, g_BT, jnp.zeros((), g_BT.dtype)).reshape(-1)
+    loss, lp = _logprobs.linear_loss(h_NH, unembedding(params), y_N, g_N, chunk=chunk)
+    lp = lp.reshape(valid_BT.shape)
+    return loss, jnp.where(valid_BT, lp, jnp.zeros((), lp.dtype))
 
 
 def prefill(
