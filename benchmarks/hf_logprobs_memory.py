@@ -6,7 +6,10 @@ For final hidden states ``h[T, H]``, an unembedding ``W[V, H]`` and targets (B =
 several chunk sizes (the backward in blocks of the default number of vocabulary rows, the
 "vocab block" column), and reports XLA's compiled memory analysis side by side: the temporary
 (transient) bytes — what chunking removes — and the argument and output bytes (``h``, ``W``,
-``dh``, ``dW``: the same for every variant). Without ``--no-run`` it also runs each variant once
+``dh``, ``dW``: the same for every variant). It also compiles the trainer's fused head of a loss
+linear in the logprobs (`runner.local.models._logprobs.linear_loss`, the ``cross_entropy``
+kernel's path: the logits formed once per chunk, ``dh`` and ``dW`` in the same pass) and reports
+its temporaries beside them ("fused head temp MiB"; chunk 0 = one chunk of all T tokens). Without ``--no-run`` it also runs each variant once
 in a fresh subprocess (materialized and the default chunk, H = 256) and reports its peak
 resident memory above the inputs (``ru_maxrss``) and its time.
 
@@ -53,14 +56,33 @@ def _build(T: int, V: int, H: int, chunk: int):
     return jax.jit(f), shapes
 
 
+def _build_fused(T: int, V: int, H: int, chunk: int):
+    """The trainer's head for a loss linear in the logprobs (`_logprobs.linear_loss`):
+    ``((Σ g·lp, lp), (d/dh, d/dW))`` in one pass, logits formed once per chunk."""
+    import jax
+
+    from runner.local.models import _logprobs
+
+    def f(h, w, y, g):
+        def loss(h, w):
+            return _logprobs.linear_loss(h, w, y, g, chunk=chunk)
+
+        return jax.value_and_grad(loss, (0, 1), has_aux=True)(h, w)
+
+    return jax.jit(f), _build(T, V, H, chunk)[1]
+
+
 def analyze(T: int, V: int, H: int, chunk: int) -> dict:
     from runner.local.models import _logprobs
 
     fn, shapes = _build(T, V, H, chunk)
     m = fn.lower(*shapes).compile().memory_analysis()
+    fused, _ = _build_fused(T, V, H, chunk)
+    mf = fused.lower(*shapes).compile().memory_analysis()
     return dict(
         vocab_block=_logprobs._vocab_block(V, None) if 0 < chunk < T else None,
         temp_mib=m.temp_size_in_bytes / MIB,
+        fused_temp_mib=mf.temp_size_in_bytes / MIB,
         argument_mib=m.argument_size_in_bytes / MIB,
         output_mib=m.output_size_in_bytes / MIB,
     )
@@ -120,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
             if chunk == 0:
                 base = r
             r["temp_vs_materialized"] = r["temp_mib"] / base["temp_mib"]
+            r["fused_temp_vs_materialized"] = r["fused_temp_mib"] / base["temp_mib"]
             total = r["temp_mib"] + r["argument_mib"] + r["output_mib"]
             base_total = base["temp_mib"] + base["argument_mib"] + base["output_mib"]
             r["total_vs_materialized"] = total / base_total
@@ -137,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         "vocab block",
         "temp MiB",
         "temp / materialized",
+        "fused head temp MiB",
         "args+outputs MiB",
         "measured peak above inputs MiB",
         "peak / materialized",
@@ -152,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
                 r["vocab_block"],
                 r["temp_mib"],
                 r["temp_vs_materialized"],
+                r["fused_temp_mib"],
                 r["argument_mib"] + r["output_mib"],
                 r.get("peak_above_inputs_mib"),
                 r.get("peak_vs_materialized"),

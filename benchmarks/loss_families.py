@@ -46,19 +46,23 @@ def _rl(**kw) -> losses.Term:
     return losses.grpo(clip_low=0.2, clip_high=0.28, reduction="token_mean", **kw)
 
 
-def topk_floor(student_BTK: jax.Array, batch: losses.Batch) -> tuple[jax.Array, dict]:
-    """Not a loss term: the least work any top-K term's ``value_and_grad`` can do.
+class TopkFloor:
+    """Not a loss term: the least work a top-K term's ``value_and_grad`` could do.
 
-    ``½ Σ m·(s − t)²`` over the student and teacher ``[B, T, K]`` logprobs and the action mask
-    ``m``: it reads every input a top-K term reads and writes the ``[B, T, K]`` gradient
-    ``m·(s − t)``, with no transcendental. A top-K row within 2× of GRPO needs this floor to be
-    well under 2× GRPO's time; its ratio shows how much of a top-K row is bandwidth.
+    It reads the student and teacher ``[B, T, K]`` logprobs and the action mask ``m`` once,
+    writes a ``[B, T, K]`` gradient ``d = m·(s − t)`` and reduces it to a scalar (``Σ d``),
+    computed directly (no autodiff, no transcendental): whatever a top-K term computes, its
+    gradient depends on both inputs, so it moves at least these bytes: 17 ``[B, T]``-sized reads and
+    8 writes against GRPO's 5 and 1 (about 4×). Its row's ratio to GRPO is a floor for the top-K rows' ratios.
     """
-    d = batch.action_mask[..., None] * (student_BTK - batch.teacher_topk_logprobs)
-    return 0.5 * jnp.sum(d * (student_BTK - batch.teacher_topk_logprobs)), {}
+
+    @staticmethod
+    def value_and_grad(student_BTK: jax.Array, batch: losses.Batch):
+        d = batch.action_mask[..., None] * (student_BTK - batch.teacher_topk_logprobs)
+        return jnp.sum(d), d
 
 
-#: (family, row label, factory of a term (or of `topk_floor`), first-argument kind):
+#: (family, row label, factory of a term (or `TopkFloor`), first-argument kind):
 #: ``"logprobs"`` [B, T], ``"values"`` [B, T] (the critic), ``"topk"`` [B, T, K] student logprobs.
 FAMILIES: list[tuple[str, str, Callable[[], Callable], str]] = [
     ("baseline", "grpo (k3 KL 0.05)", lambda: _rl(kl_coef=0.05, kl_estimator="k3"), "logprobs"),
@@ -111,7 +115,7 @@ FAMILIES: list[tuple[str, str, Callable[[], Callable], str]] = [
     (
         "floor",
         f"data floor: read the [B, T, K={TOP_K}] inputs, write their gradient",
-        lambda: topk_floor,
+        TopkFloor,
         "topk",
     ),
 ]
@@ -143,8 +147,10 @@ def family_inputs(lp: np.ndarray, fields: dict, seed: int = 0):
     return inputs, batch
 
 
-def _jitted(term: Callable):
-    grad = jax.jit(jax.value_and_grad(lambda x, b: term(x, b)[0]))
+def _jitted(term):
+    """The jitted ``(value, gradient)`` of a term (or a `TopkFloor`'s own ``value_and_grad``)."""
+    direct = getattr(term, "value_and_grad", None)
+    grad = jax.jit(direct or jax.value_and_grad(lambda x, b: term(x, b)[0]))
 
     def run(x, batch):
         return jax.block_until_ready(grad(x, batch))

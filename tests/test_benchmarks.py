@@ -281,7 +281,7 @@ def test_synthetic_multi_turn_seqs():
 
 
 def test_the_topk_floor_reads_every_topk_input_and_returns_their_gradient():
-    import jax
+    import jax.numpy as jnp
     import numpy as np
 
     import losses
@@ -291,6 +291,22 @@ def test_the_topk_floor_reads_every_topk_input_and_returns_their_gradient():
     s, t = rng.normal(size=(2, 3, 5, 4))
     m = (rng.random((3, 5)) < 0.6).astype(np.float64)
     batch = losses.Batch(action_mask=m, teacher_topk_logprobs=t)
-    value, grad = jax.value_and_grad(lambda x: families.topk_floor(x, batch)[0])(s)
-    np.testing.assert_allclose(value, 0.5 * np.sum(m[..., None] * (s - t) ** 2), rtol=1e-12)
+    value, grad = families.TopkFloor.value_and_grad(jnp.asarray(s), batch)
     np.testing.assert_allclose(grad, m[..., None] * (s - t), rtol=1e-12)
+    np.testing.assert_allclose(value, np.sum(m[..., None] * (s - t)), rtol=1e-12)
+    rows = {r[0]: r for r in families.FAMILIES}
+    assert rows["floor"][2] is families.TopkFloor and rows["floor"][3] == "topk"
+
+
+def test_hf_logprobs_memory_quick_reports_both_heads_bounded(tmp_path):
+    """The compiled-memory table (``--quick --no-run``): chunking removes the ``[T, V]``
+    logits from the temporaries of both the differentiated head and the fused linear head."""
+    out = tmp_path / "mem.json"
+    data = load("hf_logprobs_memory").main(["--quick", "--no-run", "--out", str(out)])
+    assert read_json(out)["rows"] == data["rows"]
+    rows = {(r["H"], r["chunk"]): r for r in data["rows"]}
+    for (_, chunk), r in rows.items():
+        if chunk:
+            assert r["temp_vs_materialized"] < 0.5, r
+            assert r["fused_temp_vs_materialized"] < 0.5, r
+    assert "fused head temp MiB" in data["markdown"]
