@@ -63,3 +63,32 @@ def test_a_finished_future_is_queued_for_expiry_once():
     store.ttl_s = 0.0
     store.create("sample")  # a create sweeps expired futures
     assert len(store) == 1 and fut.request_id not in store._futures
+
+
+def test_the_serve_command_freezes_the_heap_after_startup(tmp_path):
+    """A real ``python -m runner serve`` logs its one freeze after binding (bounded wait)."""
+    import time
+
+    from tests.wire_helpers import ServeProcess, subprocess_env
+
+    env = subprocess_env(tmp_path, {"FOLDLOSS_GC_TEST_KEY": "k-" + "0" * 32})
+    log = tmp_path / "serve.log"
+    server = ServeProcess(
+        tmp_path / "state",
+        env,
+        log,
+        models=[f"m={TINY}"],
+        key_envs=["FOLDLOSS_GC_TEST_KEY"],
+        extra=["--log-level", "info"],
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "heap frozen after startup" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            assert server.proc.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.05)
+        line = next(x for x in log.read_text().splitlines() if "heap frozen" in x)
+        assert int(line.split("after startup: ")[1].split()[0]) > 0
+    finally:
+        server.stop()
+    assert log.read_text().count("heap frozen after startup") == 1

@@ -262,7 +262,8 @@ def serve_forever(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        freeze_heap()  # the models and the app live as long as the process (runner._gc)
+        frozen = freeze_heap()  # the models and the app live as long as the process (runner._gc)
+        log.info("heap frozen after startup: %d objects (runner._gc.freeze_heap)", frozen)
         try:
             await stop.wait()
         finally:
