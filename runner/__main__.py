@@ -146,14 +146,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from runner.train import run
 
+    freeze = _freeze_after_first_step()
     try:
-        result = run(
-            cfg,
-            resume=args.resume,
-            restart=args.restart,
-            progress=not args.no_progress and sys.stderr.isatty(),
-            on_step=_freeze_after_first_step(),
-        )
+        with _StopAfterStep() as stop:
+
+            def on_step(step: int, record: dict) -> None:
+                freeze(step, record)
+                stop.check()
+
+            result = run(
+                cfg,
+                resume=args.resume,
+                restart=args.restart,
+                progress=not args.no_progress and sys.stderr.isatty(),
+                on_step=on_step,
+            )
     except (ValueError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -166,6 +173,50 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED
     _summary(result)
     return 0
+
+
+class _StopAfterStep:
+    """SIGINT during a run: stop after the current step, at a point the run chose.
+
+    Python raises ``KeyboardInterrupt`` wherever the main thread happens to be. Inside an import
+    of a C extension it became ``ImportError: initialization failed`` (a traceback, status 1),
+    and elsewhere it was lost (the run went on to the end, status 0): both seen with SIGINT
+    after a checkpoint. So the first SIGINT only records the request (and says so on stderr);
+    `check`, called after each step's metrics and checkpoint, raises ``KeyboardInterrupt``
+    there. A second SIGINT raises at once. Outside the main thread nothing is installed.
+    """
+
+    NOTICE = b"interrupt: stopping after the current step (Ctrl-C again to stop at once)\n"
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> _StopAfterStep:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            import signal
+
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handler(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        import os
+
+        os.write(2, self.NOTICE)  # not print(): the handler may run inside another write
+
+    def check(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
 
 
 def _freeze_after_first_step():
