@@ -139,6 +139,13 @@ def _model_vjp_jit(arch: Gpt2Arch | DecoderArch):
     return jax.jit(forward)
 
 
+def _nonzero_grad_tokens(g_lp: jax.Array, batch: losses.Batch) -> jax.Array:
+    """int[B]: each row's target tokens with ``dL/dlogp ≠ 0`` (for ``optim_step``'s
+    normalization), from the kernel's exact gradient."""
+    nonzero = (g_lp != 0) & (batch.action_mask > 0)
+    return jnp.sum(nonzero.astype(jnp.int32), axis=1)
+
+
 @functools.cache
 def _kernel_jit(kernel_name: str, frozen: tuple, rep: NamedSharding):
     """``(loss, metrics, dL/dlogprobs, non-zero-gradient tokens per row)`` of one kernel."""
@@ -148,8 +155,7 @@ def _kernel_jit(kernel_name: str, frozen: tuple, rep: NamedSharding):
     def kernel(lp, batch):
         TRACE_COUNTS[trace_key] += 1
         (loss, metrics), g_lp = jax.value_and_grad(term.fn, has_aux=True)(lp, batch)
-        nonzero = (g_lp != 0) & (batch.action_mask > 0)
-        nz_B = jnp.sum(nonzero.astype(jnp.int32), axis=1)
+        nz_B = _nonzero_grad_tokens(g_lp, batch)
         return loss, metrics, g_lp.astype(lp.dtype), nz_B
 
     return jax.jit(kernel, out_shardings=(rep, rep, None, None))
@@ -183,8 +189,7 @@ def _linear_forward_backward_jit(
 
         (_, lp), grads = jax.value_and_grad(linear, has_aux=True)(params)
         loss, metrics = term.fn(lp, batch)
-        nonzero = (g_lp != 0) & (batch.action_mask > 0)
-        nz_B = jnp.sum(nonzero.astype(jnp.int32), axis=1)
+        nz_B = _nonzero_grad_tokens(g_lp, batch)
         return lp, loss, metrics, nz_B, jax.tree.map(jnp.add, acc, grads)
 
     return jax.jit(forward_backward, out_shardings=(None, rep, rep, None, rep))
