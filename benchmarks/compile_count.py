@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
         client_padded += shape[0] * shape[1]
         client_len_padded += len(seqs) * shape[1]
         width = length_bucket(max(s.num_targets for s in seqs), cfg.max_seq_len)
-        rows = trainer_row_bucket(len(seqs), trainer.num_devices, trainer.MIN_ROWS)
+        rows = trainer_row_bucket(len(seqs), trainer.num_devices, trainer.MIN_ROWS, width)
         trainer_shapes.add((rows, width))
         trainer_padded += rows * width
         t0 = time.perf_counter()

@@ -184,8 +184,8 @@ class ClientLoss:
 
     def shapes(self, seqs: Sequence[Seq]) -> tuple[int, int]:
         """The ``(rows, length)`` bucket the sequences pad to (`runner._padding` rules)."""
-        longest = max(s.num_targets for s in seqs)
-        return row_bucket(len(seqs)), bucket(longest, self.length_buckets)
+        length = bucket(max(s.num_targets for s in seqs), self.length_buckets)
+        return row_bucket(len(seqs), length=length), length
 
     def batch(self, seqs: Sequence[Seq], norms: Mapping[str, float] | None = None) -> losses.Batch:
         """The padded `losses.Batch` of ``seqs`` (normalizers default to the seqs' own)."""
@@ -294,7 +294,8 @@ class ClientLoss:
                     raise ValueError(
                         f"sequence {i}: logprobs have shape {a.shape}, expected ({n},)"
                     )
-        rows, length = row_bucket(len(lengths)), bucket(max(lengths), self.length_buckets)
+        length = bucket(max(lengths), self.length_buckets)
+        rows = row_bucket(len(lengths), length=length)
         # A trainer's padded forward in this very bucket and dtype is the input as it is.
         given = logprobs.padded if isinstance(logprobs, RaggedArrays) else None
         reuse_lp = (

@@ -26,8 +26,14 @@ import losses
 from runner._types import Seq
 
 DEFAULT_LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-#: Smallest padded row count (the one row rule of the local trainer and the client loss).
+#: Smallest padded row count of short sequences (the one row rule of the local trainer and
+#: the client loss)...
 MIN_ROWS = 8
+#: ... applied while it pads a batch to at most this many positions: the floor is
+#: ``MIN_ROW_TOKENS // length`` rows, between 1 and `MIN_ROWS` (8 rows up to length 256, 2 at
+#: 1024, 1 from 2048). Two sequences of 1024 tokens then run as 2 rows, not 8: a real
+#: decoder's forward and backward cost is per padded row (4x the work at 8 rows).
+MIN_ROW_TOKENS = 2048
 #: Fields of a runner `Seq` that the client-loss adapter copies into a `losses.Batch`: the
 #: `losses.DATA_FIELDS` (one list, owned by `losses`).
 BATCH_FIELDS = losses.DATA_FIELDS
@@ -53,8 +59,17 @@ def bucket(n: int, buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, cap: int | N
     raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}; add a larger bucket")
 
 
-def row_bucket(n: int, multiple: int = 1, min_rows: int = MIN_ROWS) -> int:
-    """Padded row count: ``multiple·2^k ≥ max(n, min_rows)`` (``multiple`` = device count)."""
+def row_bucket(
+    n: int, multiple: int = 1, min_rows: int = MIN_ROWS, length: int | None = None
+) -> int:
+    """Padded row count: ``multiple·2^k ≥ max(n, floor)`` (``multiple`` = device count).
+
+    ``floor`` is ``min_rows``, lowered for long rows when the padded ``length`` is given: at
+    most ``max(1, MIN_ROW_TOKENS // length)`` (so short batches keep few shapes to compile and
+    long ones are not padded with whole empty rows).
+    """
+    if length is not None:
+        min_rows = min(min_rows, max(1, MIN_ROW_TOKENS // max(int(length), 1)))
     b = multiple * max(1, -(-min_rows // multiple))
     while b < n:
         b *= 2

@@ -183,6 +183,41 @@ def test_buckets():
     assert length_bucket(150, 200) == 200
     assert [row_bucket(n, 1, 8) for n in (1, 8, 9, 32, 33)] == [8, 8, 16, 32, 64]
     assert row_bucket(3, 2, 1) == 4 and row_bucket(1, 2, 1) == 2 and row_bucket(5, 3, 8) == 9
+    # Long rows lower the floor of 8 (at most 2048 padded positions of empty rows' floor)...
+    assert [row_bucket(2, 1, 8, width) for width in (16, 256, 512, 1024, 2048, 4096)] == [
+        8,
+        8,
+        4,
+        2,
+        2,
+        2,
+    ]
+    assert [row_bucket(1, 1, 8, width) for width in (1024, 2048, 8192)] == [2, 1, 1]
+    assert row_bucket(3, 2, 8, 4096) == 4  # ... still a multiple of the device count
+
+
+def test_two_long_sequences_are_padded_to_two_rows_and_the_client_loss_shares_the_bucket(
+    monkeypatch,
+):
+    # Two long sequences pad to 2 rows, not 8 (4x the work of a real decoder); the client
+    # loss's bucket is the trainer's, so a forward's padded logprobs are its input as they are.
+    # The toy model's lengths stand in for real ones: MIN_ROW_TOKENS is set to MAX_LEN here
+    # (2048 = 2 rows of 1024 in the runner).
+    import runner._padding as padding
+    from runner import ClientLoss
+    from runner._padding import CheckedSeqs
+
+    tr = make_trainer()
+    seqs = rand_seqs(np.random.default_rng(11), [MAX_LEN - 20, MAX_LEN])
+    monkeypatch.setattr(padding, "MIN_ROW_TOKENS", 2 * MAX_LEN)
+    lp = tr.forward(CheckedSeqs(seqs))
+    assert lp.padded.shape == (2, MAX_LEN)
+    assert ClientLoss(losses.sft_cross_entropy()).shapes(seqs) == lp.padded.shape
+    monkeypatch.setattr(padding, "MIN_ROW_TOKENS", 8 * MAX_LEN)  # the floor of 8 rows again
+    lp8 = tr.forward(CheckedSeqs(seqs))
+    assert lp8.padded.shape == (8, MAX_LEN)
+    for a, b in zip(lp, lp8, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12)  # padding rows change no logprob
 
 
 # -- kernels ------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ resets the accumulator.
 
 Shapes are bucketed so that jit compiles once per bucket, not per call: the target length is
 padded to a power of two ≥ 16 (capped at ``max_seq_len``) and the row count to a power-of-two
-multiple of the device count (≥ `LocalTrainer.MIN_ROWS`). Padded rows and positions are masked
+multiple of the device count (≥ `LocalTrainer.MIN_ROWS` for short rows, fewer for long ones:
+`runner._padding.row_bucket`). Padded rows and positions are masked
 out exactly (their logprobs are 0, their kernel weights 0).
 
 One ``forward_backward`` is, in general, three jitted calls: the model forward returning
@@ -87,9 +88,10 @@ def length_bucket(n: int, max_len: int) -> int:
     return _padding.bucket(n, cap=max_len)
 
 
-def row_bucket(n: int, num_devices: int, min_rows: int) -> int:
-    """Padded row count: ``num_devices·2^k ≥ max(n, min_rows)`` (`runner._padding.row_bucket`)."""
-    return _padding.row_bucket(n, num_devices, min_rows)
+def row_bucket(n: int, num_devices: int, min_rows: int, length: int | None = None) -> int:
+    """Padded row count: ``num_devices·2^k ≥ max(n, min_rows)``, the floor lowered for a long
+    padded ``length`` (`runner._padding.row_bucket`)."""
+    return _padding.row_bucket(n, num_devices, min_rows, length)
 
 
 def _x64_enabled() -> bool:
@@ -389,7 +391,7 @@ class LocalTrainer:
         """
         lengths = np.fromiter((s.tokens.shape[0] for s in seqs), np.int32, len(seqs))
         width = length_bucket(int(lengths.max()) - 1, self.config.max_seq_len)
-        rows = row_bucket(len(seqs), self.num_devices, self.MIN_ROWS)
+        rows = row_bucket(len(seqs), self.num_devices, self.MIN_ROWS, width)
         cached = seqs.padded.get("tokens") if isinstance(seqs, CheckedSeqs) else None
         if cached is not None and cached[0].shape == (rows, width + 1):
             return cached[0], cached[1], rows, width
