@@ -8,7 +8,9 @@ teacher logprobs, value targets, per-row KTO labels and a KL baseline, a batch-m
 same repeats, alternating call by call, and each row reports the median per-repeat ratio of
 its time over GRPO's (target of issue #16: ≤ 2×). This measures the loss kernels themselves;
 the runner's adapter overhead (ragged → padded, the value check) is the GRPO row of the main
-table.
+table. The two ``floor`` rows are not terms: `TopkFloor` (the bytes any top-K gradient moves)
+and `TopkTwoPassFloor` (the same with the per-token statistic every top-K term reads before
+its gradient) bound what a top-K row can reach on this backend before any ``exp``/``log``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,27 @@ class TopkFloor:
     def value_and_grad(student_BTK: jax.Array, batch: losses.Batch):
         d = batch.action_mask[..., None] * (student_BTK - batch.teacher_topk_logprobs)
         return jnp.sum(d), d
+
+
+class TopkTwoPassFloor:
+    """Not a loss term: `TopkFloor` with the one dependency every top-K term has.
+
+    A per-token statistic over K must be known before the gradient can be written: the clamp
+    ``max(ℓ, 0)`` of the forward KL gates it by ``ℓ``'s sign, the renormalised supports
+    subtract per-token log-normalisers, the tail bucket reads ``Σ_k e^{x_k}``. Here the statistic
+    is ``d = Σ_k (s_k − t_k)`` (no transcendental) and the gradient ``m·[d > 0]·(s − t)``, the
+    value ``Σ m·max(d, 0)``: the data flow of the default ``topk_forward_kl`` with its ``e^t``
+    removed. XLA:CPU gives a reduction over the minor K axis a fusion of its own (one output per
+    fusion) and re-reads both inputs for the gradient, so this row times the two passes any
+    top-K term pays before its arithmetic.
+    """
+
+    @staticmethod
+    def value_and_grad(student_BTK: jax.Array, batch: losses.Batch):
+        x = student_BTK - batch.teacher_topk_logprobs
+        d = jnp.sum(x, axis=-1, keepdims=True)  # pass 1: the per-token statistic
+        gate = batch.action_mask[..., None] * (d > 0)
+        return jnp.sum(gate * d), gate * x  # pass 2: the gradient reads it
 
 
 #: (family, row label, factory of a term (or `TopkFloor`), first-argument kind):
@@ -118,6 +141,12 @@ FAMILIES: list[tuple[str, str, Callable[[], Callable], str]] = [
         TopkFloor,
         "topk",
     ),
+    (
+        "floor",
+        f"two-pass floor: a per-token sum over K={TOP_K} first, then the gradient",
+        TopkTwoPassFloor,
+        "topk",
+    ),
 ]
 
 
@@ -148,7 +177,7 @@ def family_inputs(lp: np.ndarray, fields: dict, seed: int = 0):
 
 
 def _jitted(term):
-    """The jitted ``(value, gradient)`` of a term (or a `TopkFloor`'s own ``value_and_grad``)."""
+    """The jitted ``(value, gradient)`` of a term (or a floor row's own ``value_and_grad``)."""
     direct = getattr(term, "value_and_grad", None)
     grad = jax.jit(direct or jax.value_and_grad(lambda x, b: term(x, b)[0]))
 

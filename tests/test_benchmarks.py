@@ -294,8 +294,28 @@ def test_the_topk_floor_reads_every_topk_input_and_returns_their_gradient():
     value, grad = families.TopkFloor.value_and_grad(jnp.asarray(s), batch)
     np.testing.assert_allclose(grad, m[..., None] * (s - t), rtol=1e-12)
     np.testing.assert_allclose(value, np.sum(m[..., None] * (s - t)), rtol=1e-12)
-    rows = {r[0]: r for r in families.FAMILIES}
-    assert rows["floor"][2] is families.TopkFloor and rows["floor"][3] == "topk"
+    floors = {r[2]: r for r in families.FAMILIES if r[0] == "floor"}
+    assert set(floors) == {families.TopkFloor, families.TopkTwoPassFloor}
+    assert all(r[3] == "topk" for r in floors.values())
+
+
+def test_the_two_pass_floor_gates_the_gradient_by_its_per_token_statistic():
+    import jax.numpy as jnp
+    import numpy as np
+
+    import losses
+
+    families = load("loss_families")
+    rng = np.random.default_rng(1)
+    s, t = rng.normal(size=(2, 3, 5, 4))
+    m = (rng.random((3, 5)) < 0.6).astype(np.float64)
+    batch = losses.Batch(action_mask=m, teacher_topk_logprobs=t)
+    value, grad = families.TopkTwoPassFloor.value_and_grad(jnp.asarray(s), batch)
+    d = (s - t).sum(axis=-1)  # NumPy reference
+    gate = m * (d > 0)
+    assert 0 < gate.sum() < m.sum()  # both sides of the gate occur
+    np.testing.assert_allclose(grad, gate[..., None] * (s - t), rtol=1e-12)
+    np.testing.assert_allclose(value, np.sum(gate * d), rtol=1e-12)
 
 
 def test_hf_logprobs_memory_quick_reports_both_heads_bounded(tmp_path):
