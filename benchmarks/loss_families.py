@@ -72,17 +72,21 @@ class TopkTwoPassFloor:
     subtract per-token log-normalisers, the tail bucket reads ``Σ_k e^{x_k}``. Here the statistic
     is ``d = Σ_k (s_k − t_k)`` (no transcendental) and the gradient ``m·[d > 0]·(s − t)``, the
     value ``Σ m·max(d, 0)``: the data flow of the default ``topk_forward_kl`` with its ``e^t``
-    removed. XLA:CPU gives a reduction over the minor K axis a fusion of its own (one output per
-    fusion) and re-reads both inputs for the gradient, so this row times the two passes any
-    top-K term pays before its arithmetic.
+    removed, written as the terms write theirs (a chain of K masked slices, which XLA:CPU runs
+    faster than ``jnp.sum(axis=-1)``: 2.6× against 3.4× GRPO). XLA:CPU gives the per-token
+    statistic a fusion of its own (one output per fusion) and re-reads both inputs for the
+    gradient, so this row times the two passes any top-K term pays before its arithmetic.
     """
 
     @staticmethod
     def value_and_grad(student_BTK: jax.Array, batch: losses.Batch):
-        x = student_BTK - batch.teacher_topk_logprobs
-        d = jnp.sum(x, axis=-1, keepdims=True)  # pass 1: the per-token statistic
-        gate = batch.action_mask[..., None] * (d > 0)
-        return jnp.sum(gate * d), gate * x  # pass 2: the gradient reads it
+        s, t = student_BTK, batch.teacher_topk_logprobs
+        valid = batch.action_mask[..., None] > 0
+        K = s.shape[-1]
+        # pass 1: the per-token statistic
+        d = sum(jnp.where(valid, s[..., k : k + 1] - t[..., k : k + 1], 0.0) for k in range(K))
+        gate = jnp.where(valid & (d > 0), 1.0, 0.0).astype(s.dtype)
+        return jnp.sum(gate * d), gate * (s - t)  # pass 2: the gradient reads it
 
 
 #: (family, row label, factory of a term (or `TopkFloor`), first-argument kind):
