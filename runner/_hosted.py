@@ -8,7 +8,9 @@ the same ``sample(prompts, num_samples, max_tokens, seed, stop_token_ids)`` argu
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +31,50 @@ COUNTERS = (
     "save_sampler",
     "load_state",
 )
+
+
+class ModelInputCache:
+    """Reuses one SDK ``ModelInput`` per live token array, so the forward and the linear
+    backward of a client pass send the very same model input (the precomputed-forward
+    invariant) without rebuilding it.
+
+    Args:
+      build: the SDK's constructor from the input token ids (``types.ModelInput.from_ints``:
+        both SDKs have one); called with ``tokens[:-1]`` as a list.
+      maxsize: entries kept; when full, entries of arrays no longer alive are dropped first,
+        then all.
+    """
+
+    def __init__(self, build: Callable[[list[int]], Any], maxsize: int = 4096) -> None:
+        self._build = build
+        self._entries: dict[int, tuple[weakref.ref, int, Any]] = {}
+        self._maxsize = maxsize
+        self._lock = threading.Lock()
+
+    def get(self, tokens: np.ndarray) -> Any:
+        key = id(tokens)
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None and hit[0]() is tokens and hit[1] == tokens.shape[0]:
+                return hit[2]
+        model_input = self._build(tokens[:-1].tolist())
+        with self._lock:
+            if len(self._entries) >= self._maxsize:
+                self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}
+                if len(self._entries) >= self._maxsize:
+                    self._entries.clear()
+            self._entries[key] = (weakref.ref(tokens), tokens.shape[0], model_input)
+        return model_input
+
+
+def float_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """The numeric entries of an SDK response's metrics as floats (booleans and the rest
+    dropped: they are not training metrics)."""
+    out = {}
+    for key, value in dict(metrics or {}).items():
+        if isinstance(value, int | float | np.number) and not isinstance(value, bool):
+            out[str(key)] = float(value)
+    return out
 
 
 def as_seq_list(seqs: Any) -> list[Seq]:

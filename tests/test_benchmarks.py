@@ -280,17 +280,24 @@ def test_synthetic_multi_turn_seqs():
         make(np.random.default_rng(0), 2, logprobs="normal")
 
 
-def test_the_topk_floor_reads_every_topk_input_and_returns_their_gradient():
-    import jax.numpy as jnp
+def _topk_inputs(seed: int):
+    """``(s, t, m, batch)``: float64 student and teacher [3, 5, 4] values and a random mask."""
     import numpy as np
 
     import losses
 
-    families = load("loss_families")
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     s, t = rng.normal(size=(2, 3, 5, 4))
     m = (rng.random((3, 5)) < 0.6).astype(np.float64)
-    batch = losses.Batch(action_mask=m, teacher_topk_logprobs=t)
+    return s, t, m, losses.Batch(action_mask=m, teacher_topk_logprobs=t)
+
+
+def test_the_topk_floor_reads_every_topk_input_and_returns_their_gradient():
+    import jax.numpy as jnp
+    import numpy as np
+
+    families = load("loss_families")
+    s, t, m, batch = _topk_inputs(0)
     value, grad = families.TopkFloor.value_and_grad(jnp.asarray(s), batch)
     np.testing.assert_allclose(grad, m[..., None] * (s - t), rtol=1e-12)
     np.testing.assert_allclose(value, np.sum(m[..., None] * (s - t)), rtol=1e-12)
@@ -303,13 +310,8 @@ def test_the_two_pass_floor_gates_the_gradient_by_its_per_token_statistic():
     import jax.numpy as jnp
     import numpy as np
 
-    import losses
-
     families = load("loss_families")
-    rng = np.random.default_rng(1)
-    s, t = rng.normal(size=(2, 3, 5, 4))
-    m = (rng.random((3, 5)) < 0.6).astype(np.float64)
-    batch = losses.Batch(action_mask=m, teacher_topk_logprobs=t)
+    s, t, m, batch = _topk_inputs(1)
     value, grad = families.TopkTwoPassFloor.value_and_grad(jnp.asarray(s), batch)
     d = (s - t).sum(axis=-1)  # NumPy reference
     gate = m * (d > 0)

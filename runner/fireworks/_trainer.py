@@ -35,7 +35,7 @@ from fireworks.training.sdk.client import GradAccNormalization
 from runner._atomic import atomic_write_json
 from runner._hosted import COUNTERS as HOSTED_COUNTERS
 from runner._hosted import as_seq_list as _as_list
-from runner._hosted import check_sample_args
+from runner._hosted import check_sample_args, float_metrics
 from runner._hosted import to_sample as _to_sample
 from runner._net import probe
 from runner._padding import CheckedSeqs
@@ -90,14 +90,6 @@ def _first_line(text: str) -> str:
         cause = [ln[len("Cause: ") :] for ln in lines[1:] if ln.startswith("Cause: ")]
         return lines[0][len("ERROR: ") :] + (f": {cause[0]}" if cause else "")
     return lines[0]
-
-
-def _float_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    out = {}
-    for key, value in dict(metrics or {}).items():
-        if isinstance(value, int | float | np.number) and not isinstance(value, bool):
-            out[str(key)] = float(value)
-    return out
 
 
 class FireworksTrainer:
@@ -329,7 +321,7 @@ class FireworksTrainer:
         self.counters["forward_backward"] += 1
         return ForwardBackwardResult(
             logprobs=output_logprobs(out, seqs, required=False),
-            metrics=_float_metrics(out.metrics),
+            metrics=float_metrics(out.metrics),
         )
 
     def optim_step(self, adam: AdamParams, normalization: str | None = None) -> dict[str, float]:
@@ -365,7 +357,7 @@ class FireworksTrainer:
         )
         self.counters["optim_step"] += 1
         self._weights_version += 1
-        return _float_metrics(getattr(response, "metrics", None))
+        return float_metrics(getattr(response, "metrics", None))
 
     # -- sampling ---------------------------------------------------------------------------
 

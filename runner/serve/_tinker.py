@@ -374,18 +374,7 @@ async def forward_backward(server: Server, request: web.Request) -> web.Response
 
 async def _ordered(server, request, cls, what, kind, make_job):
     """Parses an ordered JSON request and submits its job (or its validation error) in turn."""
-    body = await server.json(request)
-    queue = server.queue(body.get("model_id"))
-    try:
-        req, _ = parse_model(cls, body, what=what)
-        job = make_job(req)
-    except ServeError as err:
-        if isinstance(body.get("seq_id"), int):
-            return _ack(queue.submit(body["seq_id"], kind, err), model_id=queue.name)
-        raise
-    if req.seq_id is None:
-        raise user_error(f"{what}: seq_id is required")
-    return _ack(queue.submit(req.seq_id, kind, job), model_id=queue.name)
+    return await _ordered_body(server, await server.json(request), cls, kind, make_job, what)
 
 
 async def optim_step(server: Server, request: web.Request) -> web.Response:
@@ -517,17 +506,20 @@ async def load_weights(server: Server, request: web.Request) -> web.Response:
     return _ack(fut, model_id=model_id)
 
 
-async def _ordered_body(server, body, cls, kind, make_job):
+async def _ordered_body(server, body, cls, kind, make_job, what=None):
+    """Submits the job of a parsed ordered request body (or its validation error) in its
+    model's queue at its ``seq_id``; ``what`` names the request in errors (default ``kind``)."""
+    what = kind if what is None else what
     queue = server.queue(body.get("model_id"))
     try:
-        req, _ = parse_model(cls, body, what=kind)
+        req, _ = parse_model(cls, body, what=what)
         job = make_job(req)
     except ServeError as err:
         if isinstance(body.get("seq_id"), int):
             return _ack(queue.submit(body["seq_id"], kind, err), model_id=queue.name)
         raise
     if req.seq_id is None:
-        raise user_error(f"{kind}: seq_id is required")
+        raise user_error(f"{what}: seq_id is required")
     return _ack(queue.submit(req.seq_id, kind, job), model_id=queue.name)
 
 

@@ -9,14 +9,13 @@ arrays reach the SDK (``TensorData.from_numpy`` keeps a writeable array without 
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from tinker import types
 
+from runner._hosted import ModelInputCache as _HostedModelInputCache
 from runner._kernels import KERNELS, check_kernel_inputs, resolve_config, supported
 from runner._padding import CheckedSeqs
 from runner._types import Seq, validate_seqs
@@ -52,29 +51,11 @@ def loss_config(loss_name: str, config: Mapping[str, Any] | None) -> dict[str, f
     return out
 
 
-class ModelInputCache:
-    """One ``ModelInput`` per live token array, so a client pass's forward and backward send the
-    same model input without rebuilding it."""
+class ModelInputCache(_HostedModelInputCache):
+    """`runner._hosted.ModelInputCache` building the Tinker SDK's ``types.ModelInput``."""
 
     def __init__(self, maxsize: int = 4096) -> None:
-        self._entries: dict[int, tuple[weakref.ref, int, types.ModelInput]] = {}
-        self._maxsize = maxsize
-        self._lock = threading.Lock()
-
-    def get(self, tokens: np.ndarray) -> types.ModelInput:
-        key = id(tokens)
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None and hit[0]() is tokens and hit[1] == tokens.shape[0]:
-                return hit[2]
-        model_input = types.ModelInput.from_ints(tokens[:-1].tolist())
-        with self._lock:
-            if len(self._entries) >= self._maxsize:
-                self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}
-                if len(self._entries) >= self._maxsize:
-                    self._entries.clear()
-            self._entries[key] = (weakref.ref(tokens), tokens.shape[0], model_input)
-        return model_input
+        super().__init__(types.ModelInput.from_ints, maxsize)
 
 
 def to_datums(

@@ -37,7 +37,7 @@ from tinker import types
 
 from runner._hosted import COUNTERS as HOSTED_COUNTERS
 from runner._hosted import as_seq_list as _as_list
-from runner._hosted import check_sample_args
+from runner._hosted import check_sample_args, float_metrics
 from runner._hosted import to_sample as _to_sample
 from runner._net import probe
 from runner._padding import CheckedSeqs
@@ -65,14 +65,6 @@ CHECKPOINT_KIND = "tinker_state"
 
 class TinkerRequestError(ValueError):
     """A Tinker request failed or timed out (one line: what, where, why; never the key)."""
-
-
-def _float_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    out = {}
-    for key, value in dict(metrics or {}).items():
-        if isinstance(value, int | float | np.number) and not isinstance(value, bool):
-            out[str(key)] = float(value)
-    return out
 
 
 class TinkerTrainer:
@@ -229,7 +221,7 @@ class TinkerTrainer:
         self.counters["forward_backward"] += 1
         return ForwardBackwardResult(
             logprobs=output_logprobs(out, seqs, required=False),
-            metrics=_float_metrics(out.metrics),
+            metrics=float_metrics(out.metrics),
         )
 
     def optim_step(self, adam: AdamParams, normalization: str | None = None) -> dict[str, float]:
@@ -257,7 +249,7 @@ class TinkerTrainer:
         out = self._result(self.client.optim_step(params), "optim_step")
         self.counters["optim_step"] += 1
         self._weights_version += 1
-        return _float_metrics(out.metrics)
+        return float_metrics(out.metrics)
 
     # -- sampling -----------------------------------------------------------------------------
 
