@@ -76,11 +76,14 @@ from losses._preference import (
     simpo,
 )
 from losses._reductions import REDUCTIONS, active_rows, reduction_weights, term_weights
+from losses._registry import TERMS, TermInfo
 from losses._sft import sft_cross_entropy, weighted_cross_entropy
 from losses._split import row_slices, split_batch, with_normalizers
 from losses._twin import builtin_twin
 
 __all__ = [
+    "TERMS",
+    "TermInfo",
     "Batch",
     "DATA_FIELDS",
     "FIELDS",
