@@ -32,24 +32,24 @@ OUT = ROOT / "docs" / "catalogue.md"
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """A backend's column: the builtin kernels it runs (and those it runs behind a capability)."""
+    """A backend: the builtin kernels it runs (and those it runs behind a capability)."""
 
     title: str
     kernels: tuple[str, ...]
     opt_in: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def cell(self, kernel: str | None) -> str:
-        if kernel is None:
-            return "client"
+    def runs(self, kernel: str) -> str | None:
+        """How this backend runs ``kernel``: its title (with the capability), else ``None``."""
         if kernel in self.kernels:
-            return f"`{kernel}`"
+            return self.title
         if kernel in self.opt_in:
-            return f"`{kernel}` (with `{self.opt_in[kernel]}`)"
-        return "client"
+            return f"{self.title} (with `{self.opt_in[kernel]}`)"
+        return None
 
 
 BACKENDS = (
-    Backend("local / server", tuple(runner.BUILTIN_LOSSES)),
+    Backend("local", tuple(runner.BUILTIN_LOSSES)),
+    Backend("server", tuple(runner.BUILTIN_LOSSES)),
     Backend("tinker", tuple(_tinker.BUILTIN_LOSSES)),
     Backend("fireworks", tuple(_fireworks.BUILTIN_LOSSES), dict(_fireworks.OPT_IN_LOSSES)),
 )
@@ -62,6 +62,15 @@ def _code(text: str) -> str:
 def _kernel(info: losses.TermInfo) -> str | None:
     twin = losses.builtin_twin(info.build())
     return None if twin is None else twin[0]
+
+
+def _twin(info: losses.TermInfo) -> str:
+    kernel = _kernel(info)
+    if kernel is None:
+        return "client"
+    on = [r for b in BACKENDS if (r := b.runs(kernel)) is not None]
+    off = [b.title for b in BACKENDS if b.runs(kernel) is None]
+    return f"`{kernel}`: " + ", ".join(on) + (f"; client on {', '.join(off)}" if off else "")
 
 
 def _reads(info: losses.TermInfo) -> str:
@@ -93,7 +102,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("source", lambda i: i.source.replace("|", "\\|")),
     Column("argument", lambda i: f"`{i.build().argument}`"),
     Column("reads", _reads),
-    *(Column(f"builtin twin: {b.title}", lambda i, b=b: b.cell(_kernel(i))) for b in BACKENDS),
+    Column("builtin twin, per backend", _twin),
     Column("exact across micro-batches", _exact),
 )
 
@@ -109,9 +118,11 @@ when this page and the registry disagree. Columns:
   or the critic's `values`); the runner trains `logprobs` terms;
 - **reads**: the batch fields the term reads (`Term.reads`), for its defaults or the
   configuration shown after the name;
-- **builtin twin**: the server kernel that computes that configuration exactly
-  (`losses.builtin_twin`), where the backend runs that kernel; *client* means one fused client
-  pass ([passes](passes.md)). Options such as a KL penalty or a mismatch correction remove the
+- **builtin twin, per backend**: the server kernel that computes that configuration exactly
+  (`losses.builtin_twin`) and the backends that run it — the local trainer, the local server
+  (`python -m runner serve`: every kernel of the table, for the SDK that names it), Tinker,
+  Fireworks; elsewhere, and where there is no twin, the term runs as one fused client pass,
+  *client* ([passes](passes.md)). Options such as a KL penalty or a mismatch correction remove the
   twin;
 - **exact across micro-batches**: whether the micro-batches of `losses.split_batch` sum to the
   full batch's loss and gradient ([conventions](conventions.md#the-losses-contract)).
