@@ -320,10 +320,11 @@ def run(
                 f"({run_dir / RUN_FILE}); refusing to load another run's state"
             )
         expected = checkpoint_name(run_id, latest)
-        if manifest.get("saved_as") != expected:
+        named = {manifest.get("saved_as"), manifest["resumable"]["checkpoint_name"]}
+        if named != {expected}:  # the state's own identity: this run's, this step's
             raise ckpt.CheckpointError(
                 f"--resume: checkpoint step {latest} names resumable state "
-                f"{manifest.get('saved_as')!r}, not this run's {expected!r}: "
+                f"{' and '.join(sorted(map(repr, named)))}, not this run's {expected!r}: "
                 "refusing to load state saved at another step or by another run"
             )
         start = latest + 1

@@ -712,3 +712,55 @@ def test_the_identity_hashes_only_non_default_settings_so_a_new_key_keeps_runs_r
     assert cfg.identity() != Config().identity()  # tiny.toml is not the default config
     assert cfg.identity() == load_config(TINY, [f"rl.kl_coef={Config().rl.kl_coef}"]).identity()
     assert cfg.identity() != load_config(TINY, ["rl.kl_coef=0.125"]).identity()
+
+
+def test_another_steps_state_does_not_resume(tmp_path, uninterrupted):
+    """Issue #23 item 1: step 4's ``resumable`` block copied into step 6's manifest resumed on
+    step 4's weights; meta.json's step set to 99 with its digest updated resumed at step 100."""
+    from runner._digests import file_digest
+    from runner.train import run
+
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', "rl.steps=4"])
+    run_dir = _copy_run(uninterrupted[0], tmp_path / "tiny")
+    root = run_dir / "checkpoints"
+    path = ckpt.step_dir(root, 6) / "manifest.json"
+    good = json.loads(path.read_text())
+    edited = json.loads(path.read_text())
+    edited["resumable"] = json.loads((ckpt.step_dir(root, 4) / "manifest.json").read_text())[
+        "resumable"
+    ]
+    path.write_text(json.dumps(edited))
+    with pytest.raises(ckpt.CheckpointError, match=r"-step-4'.*not this run's '.*-step-6'"):
+        run(cfg, resume=True, progress=False)
+    path.write_text(json.dumps(good))
+
+    # The state's own step edited, with the manifest's digest updated to match.
+    meta = next((run_dir / good["resumable"]["provider_path"]).glob("v-*/meta.json"))
+    original = meta.read_text()
+    meta.write_text(original.replace('"step": 6', '"step": 99'))
+    assert meta.read_text() != original
+    edited = json.loads(path.read_text())
+    edited["resumable"]["sha256"][meta.relative_to(run_dir).as_posix()] = file_digest(meta)
+    path.write_text(json.dumps(edited))
+    with pytest.raises(ckpt.CheckpointError, match="records step 99 but its optimizer state has"):
+        run(cfg, resume=True, progress=False)
+    # ... and the state of step 4 copied over step 6's, all digests updated: its own name says so.
+    meta.write_text(original)
+    path.write_text(json.dumps(good))
+    import shutil
+
+    state6 = run_dir / good["resumable"]["provider_path"]
+    state4 = run_dir / json.loads((ckpt.step_dir(root, 4) / "manifest.json").read_text())[
+        "resumable"
+    ]["provider_path"]
+    shutil.rmtree(state6)
+    shutil.copytree(state4, state6)
+    edited = json.loads(path.read_text())
+    edited["resumable"]["sha256"] = {
+        f.relative_to(run_dir).as_posix(): file_digest(f)
+        for f in sorted(state6.rglob("*"))
+        if f.is_file()
+    }
+    path.write_text(json.dumps(edited))
+    with pytest.raises(ckpt.CheckpointError, match=r"records the state saved as '.*-step-4'"):
+        run(cfg, resume=True, progress=False)

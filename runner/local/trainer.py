@@ -806,11 +806,18 @@ class LocalTrainer:
             "opt_state": {f"{i:04d}": abstract(leaf) for i, leaf in enumerate(leaves)},
         }
         restored = checkpoint.read_tree(version / "tree", target)
-        self._params = restored["params"]
         if with_optimizer:
             opt = [restored["opt_state"][f"{i:04d}"] for i in range(len(leaves))]
-            self._opt_state = jax.tree_util.tree_unflatten(treedef, opt)
+            opt_state = jax.tree_util.tree_unflatten(treedef, opt)
+            if meta.get("step") != int(opt_state.count):  # the step inside the verified tree
+                raise checkpoint.IntegrityError(
+                    f"load_state({ref!r}): {version / 'meta.json'} records step "
+                    f"{meta.get('step')!r} but its optimizer state has taken "
+                    f"{int(opt_state.count)} steps: the checkpoint was edited"
+                )
+            self._opt_state = opt_state
             self.step = int(meta["step"])
+        self._params = restored["params"]
         self.reset_grads()
 
     def list_checkpoints(self) -> list[str]:
