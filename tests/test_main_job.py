@@ -347,11 +347,27 @@ def test_resume_refuses_step_counts_that_rewrite_history_and_recovers_a_torn_log
     [
         ("rl.num_microbatches=1000", r"num_microbatches \(1000\) exceeds the 8 sequences"),
         ("rl.temperature=1e-30", r"temperature must be in \[0.001, 1000\]"),
+        # issue #23 item 5: these ran all of SFT, were ignored or were misreported
+        ("rl.mode=builtin", r"\[rl\].mode = 'builtin': builtin path requested but the term"),
+        ("rl.loss_kwargs={coef=1.0}", r"\[rl\].loss_kwargs \['coef'\] needs \[rl\].loss"),
+        ("rl.learning_rate=inf", r"\[rl\].learning_rate must be a finite number > 0, got inf"),
+        ("sft.learning_rate=nan", r"\[sft\].learning_rate must be a finite number > 0, got nan"),
     ],
 )
 def test_values_that_fail_late_are_refused_before_any_work(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(TINY, [override])
+
+
+def test_a_model_vocabulary_larger_than_the_tokenizers_is_refused_at_config_load(tmp_path):
+    """Issue #23 item 5: sampled ids past the tokenizer's vocabulary failed 9 s in."""
+    from runner.env.tokenizer import VOCAB_SIZE
+    from test_hf_loading import base_config
+
+    (tmp_path / "config.json").write_text(json.dumps(base_config(vocab_size=VOCAB_SIZE + 11)))
+    with pytest.raises(ValueError, match=rf"\[model\].path: the checkpoint's vocab_size "
+                       rf"{VOCAB_SIZE + 11} is larger than the tokenizer's {VOCAB_SIZE}"):
+        load_config(TINY, [f'model.path="{tmp_path}"'])
 
 
 @pytest.mark.parametrize(
