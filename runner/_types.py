@@ -63,6 +63,10 @@ class Seq:
         return Seq(self.tokens, inputs)
 
 
+class NonFiniteUpdateError(ValueError):
+    """A step's loss, gradient or optimizer update is not finite; it was not applied."""
+
+
 #: The input names a `Seq` may carry: the `losses.Batch` data fields (one list, owned by
 #: `losses`) and the builtin kernels' datum inputs (`runner._kernels`).
 SEQ_FIELDS: tuple[str, ...] = tuple(

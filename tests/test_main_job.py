@@ -780,3 +780,24 @@ def test_another_steps_state_does_not_resume(tmp_path, uninterrupted):
     path.write_text(json.dumps(edited))
     with pytest.raises(ckpt.CheckpointError, match=r"records the state saved as '.*-step-4'"):
         run(cfg, resume=True, progress=False)
+
+
+@pytest.mark.parametrize(
+    "override, step",
+    [("optim.eps=0", 1), ("sft.learning_rate=1e30", 1)],
+)
+def test_a_non_finite_step_stops_the_run_before_its_update_and_checkpoint(tmp_path, override, step):
+    """Issue #23 item 4: NaN weights were trained and checkpointed, the run dying only at the
+    first RL step blaming ``sampling_logprobs``."""
+    from runner import NonFiniteUpdateError
+    from runner.train import run
+
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', "checkpoint.interval=1", override])
+    key = override.split("=")[0]
+    with pytest.raises(NonFiniteUpdateError, match=rf"^step {step} \(sft\): .* not finite.*"):
+        run(cfg, progress=False)
+    with pytest.raises(NonFiniteUpdateError, match=rf"Likely cause: .*{key.split('.')[1]}"):
+        run(load_config(TINY, [f'run.output_dir="{tmp_path}/b"', override]), progress=False)
+    assert ckpt.latest_step(tmp_path / "tiny" / "checkpoints") is None
+    records = [json.loads(x) for x in (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(step))  # the failing step is not logged

@@ -59,6 +59,7 @@ from runner._types import (
     NORMALIZATIONS,
     AdamParams,
     ForwardBackwardResult,
+    NonFiniteUpdateError,
     Sample,
     Seq,
     validate_seqs,
@@ -221,9 +222,23 @@ def _optim_step_jit(dtype_name: str, rep: NamedSharding):
         grads = jax.tree.map(lambda g: g * scale, grads)
         hp = dict(opt_state.hyperparams)
         hp.update(learning_rate=lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
-        opt_state = opt_state._replace(hyperparams=hp)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, norm
+        new_state = opt_state._replace(hyperparams=hp)
+        updates, new_state = tx.update(grads, new_state, params)
+        # A non-finite gradient or update (a learning rate that overflows, eps = 0 over a zero
+        # second moment) is not applied: the old parameters and state are kept, and the host
+        # raises (`NonFiniteUpdateError`).
+        ok = jnp.isfinite(norm) & jnp.isfinite(optax.tree.norm(updates))
+        new_params = optax.apply_updates(params, updates)
+
+        def keep(new, old):
+            return jnp.where(ok, new, old)
+
+        return (
+            jax.tree.map(keep, new_params, params),
+            jax.tree.map(keep, new_state, opt_state),
+            norm,
+            ok,
+        )
 
     return jax.jit(step, out_shardings=rep)
 
@@ -530,6 +545,8 @@ class LocalTrainer:
 
         Raises:
           ValueError: nothing accumulated, or an unknown normalization.
+          NonFiniteUpdateError: the gradient or the update is not finite (NaN/inf); the
+            parameters and optimizer state are left as they were.
         """
         if not isinstance(adam, AdamParams):
             raise ValueError(f"optim_step: adam must be a runner.AdamParams, got {adam!r}")
@@ -548,7 +565,7 @@ class LocalTrainer:
         denom = 1 if mode == "none" else max(counts[mode], 1)
         s = functools.partial(np.asarray, dtype=self._lp_dtype)
         step_fn = _optim_step_jit(self._lp_dtype.name, self._rep)
-        self._params, self._opt_state, norm = step_fn(
+        params, opt_state, norm, ok = step_fn(
             self._params,
             self._opt_state,
             self._grads,
@@ -561,6 +578,13 @@ class LocalTrainer:
             s(adam.weight_decay),
         )
         self.reset_grads()
+        if not bool(ok):
+            raise NonFiniteUpdateError(
+                f"optim_step: the gradient (norm {float(norm)}) or the AdamW update is not "
+                f"finite; it was not applied (learning_rate={adam.learning_rate:g}, "
+                f"eps={adam.eps:g}: a learning rate too large, or eps = 0, are the usual causes)"
+            )
+        self._params, self._opt_state = params, opt_state
         self.step += 1
         self.counters["optim_step"] += 1
         return {
