@@ -799,5 +799,6 @@ def test_a_non_finite_step_stops_the_run_before_its_update_and_checkpoint(tmp_pa
     with pytest.raises(NonFiniteUpdateError, match=rf"Likely cause: .*{key.split('.')[1]}"):
         run(load_config(TINY, [f'run.output_dir="{tmp_path}/b"', override]), progress=False)
     assert ckpt.latest_step(tmp_path / "tiny" / "checkpoints") is None
-    records = [json.loads(x) for x in (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    log = (tmp_path / "tiny" / "metrics.jsonl").read_text()
+    records = [json.loads(x) for x in log.splitlines()]
     assert [r["step"] for r in records] == list(range(step))  # the failing step is not logged
