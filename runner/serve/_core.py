@@ -45,6 +45,9 @@ from typing import Any, Protocol
 import pydantic
 from aiohttp import web
 
+from runner._json import JsonError
+from runner._json import loads as strict_json
+
 log = logging.getLogger("runner.serve")
 
 CATEGORIES = ("user", "server")
@@ -147,8 +150,8 @@ def _too_large(limit: int, what: str = "") -> ServeError:
 def json_body(raw: bytes) -> dict[str, Any]:
     """A JSON object body (raises a user error naming the problem)."""
     try:
-        data = json.loads(raw.decode("utf-8")) if raw else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = strict_json(raw) if raw else {}
+    except JsonError as exc:
         raise user_error(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise user_error(f"request body must be a JSON object, got {type(data).__name__}")
