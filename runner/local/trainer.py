@@ -290,6 +290,11 @@ class LocalTrainer:
     MIN_ROWS = _padding.MIN_ROWS
     #: Builtin kernels this trainer runs (the step planner reads this).
     builtin_losses = kernels.SUPPORTED
+    #: Most rows (prompts × num_samples) and tokens (prompts + completions) of one `sample`
+    #: call, so one call cannot take the host's memory (the KV cache grows with both); a
+    #: caller that needs more sets these on the instance or splits the call.
+    max_sample_rows = 4096
+    max_sample_tokens = 1 << 21
 
     def __init__(
         self,
@@ -658,6 +663,15 @@ class LocalTrainer:
         bad = [t for t in stops if t >= cfg.vocab_size]
         if bad:
             raise ValueError(f"sample: stop token {bad[0]} is outside the vocabulary")
+        rows = len(arrays) * num_samples
+        tokens = sum(len(a) for a in arrays) * num_samples + rows * max_tokens
+        if rows > self.max_sample_rows or tokens > self.max_sample_tokens:
+            raise ValueError(
+                f"sample: {len(arrays)} prompts x num_samples={num_samples} is {rows} rows and "
+                f"{tokens} tokens (prompts + completions of max_tokens={max_tokens}), over this "
+                f"trainer's limits of {self.max_sample_rows} rows and {self.max_sample_tokens} "
+                "tokens per call (LocalTrainer.max_sample_rows / max_sample_tokens; split the call)"
+            )
         longest = max(a.shape[0] for a in arrays)
         if longest + max_tokens - 1 > cfg.max_seq_len:
             raise ValueError(
