@@ -184,7 +184,7 @@ class TinkerConfig:
     lora_rank: int = 32
     train_unembed: bool = False
     api_key_env: str = "TINKER_API_KEY"
-    request_timeout_s: float = 3600.0
+    request_timeout_s: float = 300.0
     connect_timeout_s: float = 10.0
 
 
