@@ -87,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
         default=20.0,
         help="retrieve_future waits this long before answering try_again (default 20)",
     )
+    from runner._limits import SERVE_LIMITS
+
+    for flag, default, what in SERVE_LIMITS.values():
+        s.add_argument(flag, type=int, default=default, help=f"most {what} (default {default})")
     s.add_argument(
         "--log-level",
         default="info",
@@ -97,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
+    from runner._limits import SERVE_LIMITS
     from runner.serve import serve_forever
 
     try:
@@ -108,6 +113,7 @@ def _serve(args) -> int:
             state_dir=args.state_dir,
             long_poll_s=args.long_poll_s,
             log_level=args.log_level,
+            **{name: getattr(args, name) for name in SERVE_LIMITS},
         )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

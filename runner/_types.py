@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from runner._kernels import KERNEL_NAMES
+import losses
+from runner._kernels import KERNEL_NAMES, KERNELS
 
 # The `Trainer` protocol (and the optional capabilities) live in runner._protocols.
 from runner._protocols import Trainer  # noqa: F401 - re-exported
@@ -61,8 +63,32 @@ class Seq:
         return Seq(self.tokens, inputs)
 
 
+class NonFiniteUpdateError(ValueError):
+    """A step's loss, gradient or optimizer update is not finite; it was not applied."""
+
+
+#: The input names a `Seq` may carry: the `losses.Batch` data fields (one list, owned by
+#: `losses`) and the builtin kernels' datum inputs (`runner._kernels`).
+SEQ_FIELDS: tuple[str, ...] = tuple(
+    dict.fromkeys(losses.DATA_FIELDS + tuple(i for k in KERNELS.values() for i in k.inputs))
+)
+
+
 def make_seq(tokens: Any, index: int = 0, **inputs: Any) -> Seq:
-    """Builds and validates a `Seq` (``index`` names the sequence in errors)."""
+    """Builds and validates a `Seq` (``index`` names the sequence in errors).
+
+    Raises:
+      ValueError: malformed tokens or inputs, or an input name not in `SEQ_FIELDS` (a misspelt
+        field would otherwise be dropped silently, e.g. a zero ECHO term).
+    """
+    for name in inputs:
+        if name not in SEQ_FIELDS:
+            close = difflib.get_close_matches(name, SEQ_FIELDS, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise losses.UnknownFieldError(
+                f"sequence {index}: unknown field {name!r}{hint} (known fields: "
+                f"{', '.join(SEQ_FIELDS)})"
+            )
     toks = np.asarray(tokens)
     if toks.ndim != 1:
         raise ValueError(f"sequence {index}: tokens must be rank 1, got shape {toks.shape}")

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -183,7 +184,7 @@ class TinkerConfig:
     lora_rank: int = 32
     train_unembed: bool = False
     api_key_env: str = "TINKER_API_KEY"
-    request_timeout_s: float = 3600.0
+    request_timeout_s: float = 300.0
     connect_timeout_s: float = 10.0
 
 
@@ -368,9 +369,10 @@ def validate(cfg: Config) -> None:
 
     def positive(section, key, value, allow_zero=False):
         ok = value >= 0 if allow_zero else value > 0
-        if not ok:
+        if not ok or not math.isfinite(value):
             raise ValueError(
-                f"config [{section}].{key} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}"
+                f"config [{section}].{key} must be a finite number "
+                f"{'>= 0' if allow_zero else '> 0'}, got {value!r}"
             )
 
     if not _NAME_RE.match(cfg.run.name):
@@ -424,11 +426,24 @@ def validate(cfg: Config) -> None:
         raise ValueError(
             f"config [rl].mode must be auto, client, builtin or two_pass, got {cfg.rl.mode!r}"
         )
+    if cfg.rl.loss_kwargs and not cfg.rl.loss:
+        raise ValueError(
+            f"config [rl].loss_kwargs {sorted(cfg.rl.loss_kwargs)} needs [rl].loss (the keyword "
+            "arguments of which loss factory?); the default loss takes its knobs from [rl]"
+        )
     # Let the loss constructors validate their own knobs (clear errors, eagerly).
     try:
-        rl_loss(cfg)
+        term = rl_loss(cfg)
     except ValueError as exc:
         raise ValueError(exc.args[0] if cfg.rl.loss else f"config [rl]: {exc}") from exc
+    if cfg.rl.steps and cfg.rl.mode in ("builtin", "two_pass"):
+        from runner._kernels import KERNEL_NAMES
+        from runner._step import plan_step
+
+        try:  # with every kernel of the table: the backend's own subset is checked when built
+            plan_step(term, supported=KERNEL_NAMES, mode=cfg.rl.mode)
+        except ValueError as exc:
+            raise ValueError(f"config [rl].mode = {cfg.rl.mode!r}: {exc}") from None
     _validate_task(cfg)
     from runner._types import AdamParams
 
@@ -482,7 +497,20 @@ def _validate_task(cfg: Config) -> None:
     phases have what they train on."""
     from runner.job import build_task, build_tokenizer
 
-    task = build_task(cfg, build_tokenizer(cfg))
+    tokenizer = build_tokenizer(cfg)
+    if cfg.model.path and cfg.run.backend == "local":
+        from runner.local import local_trainer_config
+
+        model = local_trainer_config(
+            cfg.model, vocab_size=tokenizer.vocab_size, seed=0, checkpoint_dir=None
+        ).decoder
+        if model.vocab_size > tokenizer.vocab_size:
+            raise ValueError(
+                f"config [model].path: the checkpoint's vocab_size {model.vocab_size} is larger "
+                f"than the tokenizer's {tokenizer.vocab_size}: the ids it can sample beyond the "
+                "tokenizer's cannot be decoded; set [tokenizer].path to the model's own tokenizer"
+            )
+    task = build_task(cfg, tokenizer)
     if task is None and cfg.rl.steps:
         raise ValueError(
             f"config [rl].steps = {cfg.rl.steps} needs a task: [task].factory is empty"

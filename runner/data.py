@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from runner._json import BOM, JsonError
+from runner._json import loads as strict_json
 from runner.chat import MessageError, Renderer
 
 ROLES = ("assistant", "system", "tool", "user")
@@ -227,15 +228,13 @@ def load_dataset(
     raw = p.read_bytes()
     examples, lines, dropped, truncated = [], [], 0, 0
     for number, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
+        if not line.removeprefix(BOM if number == 1 else b"").strip():
             continue
         where = f"{path}:{number}"
         try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{where}: not valid UTF-8 ({exc.reason})") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            obj = strict_json(line, first=number == 1)
+        except JsonError as exc:
+            raise ValueError(f"{where}: {exc}") from None
         example = fit_length(
             render_record(obj, where, renderer, train_on=train_on), max_len, overflow
         )

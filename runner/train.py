@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import shutil
 import time
 import uuid
@@ -28,6 +29,7 @@ from runner._digests import tree_digests
 from runner._lock import check_unlocked, run_lock
 from runner._protocols import Capabilities, Trainer, capabilities, require
 from runner._step import StepRunner
+from runner._types import NonFiniteUpdateError
 from runner.config import Config, reference_reason, rl_loss
 from runner.job import build_job, build_tokenizer, check_job
 from runner.steps import eval_nll, eval_problems, evaluate, rl_step, sft_step
@@ -205,6 +207,32 @@ _KL_WHY = (
 )
 
 
+def non_finite_message(cfg: Config, step: int, problem: str) -> str:
+    """``step N (phase): <problem>; stopped before ...``, naming the settings that usually cause
+    a NaN/inf loss or gradient."""
+    sft = step <= cfg.sft.steps
+    lr = f"[{'sft' if sft else 'rl'}].learning_rate = {cfg.sft.learning_rate if sft else cfg.rl.learning_rate:g}"
+    return (
+        f"step {step} ({'sft' if sft else 'rl'}): {problem}; the run stopped before this step's "
+        f"optimizer update and checkpoint. Likely cause: {lr} too large, or [optim].eps = "
+        f"{cfg.optim.eps:g} too small (eps = 0 divides by a zero second moment)"
+    )
+
+
+def check_finite(step: int, metrics: dict[str, Any]) -> None:
+    """Raises `NonFiniteUpdateError` when a loss or gradient-norm metric is NaN/inf (a hosted
+    backend that applied the update anyway: the step is still not checkpointed)."""
+    bad = sorted(
+        k
+        for k, v in metrics.items()
+        if (k.endswith(("loss", "nll", "loss:sum")) or k == "optim/grad_norm")
+        and isinstance(v, float)
+        and not math.isfinite(v)
+    )
+    if bad:
+        raise NonFiniteUpdateError(f"{', '.join(f'{k} = {metrics[k]}' for k in bad)}")
+
+
 def check_capabilities(cfg: Config, trainer: Any, *, start: int = 1) -> Capabilities:
     """Checks that ``trainer`` (or its `Capabilities`) can do what ``cfg`` asks from ``start`` on.
 
@@ -320,10 +348,11 @@ def run(
                 f"({run_dir / RUN_FILE}); refusing to load another run's state"
             )
         expected = checkpoint_name(run_id, latest)
-        if manifest.get("saved_as") != expected:
+        named = {manifest.get("saved_as"), manifest["resumable"]["checkpoint_name"]}
+        if named != {expected}:  # the state's own identity: this run's, this step's
             raise ckpt.CheckpointError(
                 f"--resume: checkpoint step {latest} names resumable state "
-                f"{manifest.get('saved_as')!r}, not this run's {expected!r}: "
+                f"{' and '.join(sorted(map(repr, named)))}, not this run's {expected!r}: "
                 "refusing to load state saved at another step or by another run"
             )
         start = latest + 1
@@ -432,6 +461,7 @@ def run(
                 )
                 plot_metrics(log.records, run_dir / "plot.png")
 
+            step = start
             with Progress(total=total, start=start - 1, enabled=progress) as bar:
                 if start == 1:
                     log.append({"step": 0, "phase": "eval", **evaluations(0), "time": time.time()})
@@ -454,6 +484,7 @@ def run(
                     elapsed = time.perf_counter() - t0
                     metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
                     metrics["step_time_s"] = elapsed
+                    check_finite(step, metrics)  # before this step's checkpoint
                     metrics.update(evaluations(step))
                     record = {"step": step, "phase": phase, "time": time.time(), **metrics}
                     log.append(record)
@@ -466,6 +497,8 @@ def run(
             if caps.finalizing:  # a hosted backend's final promotion, then cleanup
                 trainer.finalize(run_dir, last_manifest)
             return RunResult(run_dir=run_dir, last_step=total, metrics=log.records)
+        except NonFiniteUpdateError as exc:  # the trainer refused the update: name the cause
+            raise NonFiniteUpdateError(non_finite_message(cfg, step, str(exc))) from None
         finally:
             if owned and caps.closing:  # e.g. the Fireworks sampling client/service
                 trainer.close()

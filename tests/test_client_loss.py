@@ -234,3 +234,22 @@ def test_terms_over_values_or_top_k_logprobs_are_refused_by_the_client_loss():
     for term in (losses.value_loss(), losses.fold(losses.value_loss())):
         with pytest.raises(ValueError, match="takes values as its first argument"):
             ClientLoss(term)
+
+
+def test_a_misspelt_seq_field_is_refused_not_a_silent_zero_term():
+    """Issue #23 item 6: ``make_seq(..., obs_masks=om)`` gave ``echo_env/num_obs_tokens 0``."""
+
+    import runner
+    from runner._types import SEQ_FIELDS
+
+    toks, n = [1, 2, 3, 4, 5], 4
+    act = np.array([0, 1, 1, 0], np.float32)
+    obs = np.array([0, 0, 0, 1], np.float32)
+    with pytest.raises(losses.UnknownFieldError, match="'obs_masks'; did you mean 'obs_mask'"):
+        runner.make_seq(toks, action_mask=act, obs_masks=obs, sampling_logprobs=-np.ones(n))
+    with pytest.raises(ValueError, match="sequence 3: unknown field 'Advantages'"):
+        runner.make_seq(toks, 3, action_mask=act, Advantages=np.ones(n))
+    # One list: every Batch data field and every kernel datum input is accepted.
+    assert set(losses.DATA_FIELDS) <= set(SEQ_FIELDS)
+    seq = runner.make_seq(toks, **{f: np.zeros(n) for f in SEQ_FIELDS})
+    assert set(seq.inputs) == set(SEQ_FIELDS)

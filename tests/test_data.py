@@ -364,3 +364,29 @@ def test_sft_kill_and_resume_mid_epoch_sees_the_same_examples_in_the_same_order(
         step,
         again.stderr,
     )
+
+
+def test_a_bom_is_accepted_duplicate_keys_and_deep_nesting_are_refused(tmp_path, capsys):
+    """Issue #23 items 7 and 8: a UTF-8 BOM was refused, a duplicate key kept its last value
+    silently, and a 100,000-deep value raised a RecursionError traceback."""
+    from runner import __main__ as cli
+
+    rows = records(4)
+    plain = load(write(tmp_path / "plain.jsonl", rows))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (tmp_path / "plain.jsonl").read_bytes())
+    assert [e.tokens.tolist() for e in load(str(bom)).examples] == [
+        e.tokens.tolist() for e in plain.examples
+    ]
+    twice = '{"prompt": "a", "completion": "b", "prompt": "c"}'
+    dup = write(tmp_path / "dup.jsonl", [rows[0], twice])
+    with pytest.raises(ValueError, match=r"dup.jsonl:2: duplicate key 'prompt' in one object"):
+        load(dup)
+    nested = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    deep = write(tmp_path / "deep.jsonl", [rows[0], nested])
+    with pytest.raises(ValueError, match=r"deep.jsonl:2: a value is nested more than 512 levels"):
+        load(deep)
+    args = ["sft", "--config", str(TINY), "--data", deep, "--output-dir", str(tmp_path)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {deep}:2: a value is nested more than 512 levels deep"]

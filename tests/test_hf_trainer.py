@@ -287,3 +287,28 @@ def test_main_job_trains_a_checkpoint_directory_with_lora_and_a_kl_reference(ckp
     assert (run / "reference.safetensors").is_file()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+
+
+def test_a_lora_rank_above_the_layer_width_is_refused(ckpt_dir):
+    """Issue #23 item 2: ``lora_rank=10**6`` allocated until the process was OOM-killed."""
+    from runner.local.models import LoraConfig
+    from runner.serve._core import ServeError
+    from runner.serve._engine import BaseModel, LoraRequest, resolve_lora
+
+    width = min(DEC.hidden_size, DEC.intermediate_size)
+    message = f"LoRA rank 1000000 exceeds the model's layer width {width}"
+    with pytest.raises(ValueError, match=message):
+        LocalTrainer.from_pretrained(ckpt_dir, lora_rank=10**6)
+    with pytest.raises(ValueError, match=f"rank {width + 1} exceeds"):
+        LocalTrainerConfig(decoder=DEC, lora=LoraConfig(rank=width + 1))
+    assert LocalTrainerConfig(decoder=DEC, lora=LoraConfig(rank=width)).lora.rank == width
+    base = BaseModel("b", LocalTrainerConfig(decoder=DEC))
+    with pytest.raises(ServeError, match=r"create_model: lora rank 1000000 exceeds the base"):
+        resolve_lora(base, LoraRequest(rank=10**6), seed=0)
+
+
+def test_sampling_more_than_the_trainers_bound_is_refused(ckpt_dir):
+    """Issue #23 item 2: the local trainer's own API has the bound the server has."""
+    t = trainer(ckpt_dir)
+    with pytest.raises(ValueError, match=r"1 prompts x num_samples=1000000 is 1000000 rows"):
+        t.sample([[1, 2]], num_samples=10**6, max_tokens=2, temperature=1.0, seed=0)

@@ -367,6 +367,28 @@ def test_optim_step_matches_numpy_adamw():
             np.testing.assert_allclose(got[k], p[k], rtol=1e-9, atol=1e-12, err_msg=k)
 
 
+def test_a_non_finite_update_is_not_applied():
+    """Issue #23 item 4: ``optim.eps = 0`` (0/0 on a zero second moment) and a learning rate of
+    1e30 trained NaN weights; now the update is refused and the state kept exactly."""
+    from runner import NonFiniteUpdateError
+
+    tr = make_trainer()
+    seqs = rand_seqs(np.random.default_rng(6), [9, 14])
+    p0, step0 = _np_tree(tr.params), tr.step
+    tr.forward_backward(seqs, "cross_entropy")
+    with pytest.raises(NonFiniteUpdateError, match=r"not finite; it was not applied .*eps=0"):
+        tr.optim_step(AdamParams(1e-3, 0.9, 0.95, 0.0, 0.0))
+    assert tr.step == step0 and tr.accumulated_grads() is None
+    for k, v in _np_tree(tr.params).items():
+        np.testing.assert_array_equal(v, p0[k], err_msg=k)
+    tr.forward_backward(seqs, "cross_entropy")  # an update that overflows
+    with pytest.raises(NonFiniteUpdateError, match=r"learning_rate=1e\+300"):
+        tr.optim_step(AdamParams(1e300, 0.9, 0.95, 1e-8, 0.0))
+    tr.forward_backward(seqs, "cross_entropy")  # the same gradient then applies as usual
+    assert tr.optim_step(AdamParams(1e-3, 0.9, 0.95, 1e-8, 0.0))["step"] == step0 + 1
+    assert any(not np.array_equal(v, p0[k]) for k, v in _np_tree(tr.params).items())
+
+
 def test_normalization_counts_with_exactly_zero_gradient_tokens():
     tr = make_trainer()
     rng = np.random.default_rng(6)

@@ -347,11 +347,28 @@ def test_resume_refuses_step_counts_that_rewrite_history_and_recovers_a_torn_log
     [
         ("rl.num_microbatches=1000", r"num_microbatches \(1000\) exceeds the 8 sequences"),
         ("rl.temperature=1e-30", r"temperature must be in \[0.001, 1000\]"),
+        # issue #23 item 5: these ran all of SFT, were ignored or were misreported
+        ("rl.mode=builtin", r"\[rl\].mode = 'builtin': builtin path requested but the term"),
+        ("rl.loss_kwargs={coef=1.0}", r"\[rl\].loss_kwargs \['coef'\] needs \[rl\].loss"),
+        ("rl.learning_rate=inf", r"\[rl\].learning_rate must be a finite number > 0, got inf"),
+        ("sft.learning_rate=nan", r"\[sft\].learning_rate must be a finite number > 0, got nan"),
     ],
 )
 def test_values_that_fail_late_are_refused_before_any_work(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(TINY, [override])
+
+
+def test_a_model_vocabulary_larger_than_the_tokenizers_is_refused_at_config_load(tmp_path):
+    """Issue #23 item 5: sampled ids past the tokenizer's vocabulary failed 9 s in."""
+    from test_hf_loading import base_config
+
+    from runner.env.tokenizer import VOCAB_SIZE
+
+    (tmp_path / "config.json").write_text(json.dumps(base_config(vocab_size=VOCAB_SIZE + 11)))
+    message = rf"vocab_size {VOCAB_SIZE + 11} is larger than the tokenizer's {VOCAB_SIZE}"
+    with pytest.raises(ValueError, match=r"\[model\].path: the checkpoint's " + message):
+        load_config(TINY, [f'model.path="{tmp_path}"'])
 
 
 @pytest.mark.parametrize(
@@ -712,3 +729,76 @@ def test_the_identity_hashes_only_non_default_settings_so_a_new_key_keeps_runs_r
     assert cfg.identity() != Config().identity()  # tiny.toml is not the default config
     assert cfg.identity() == load_config(TINY, [f"rl.kl_coef={Config().rl.kl_coef}"]).identity()
     assert cfg.identity() != load_config(TINY, ["rl.kl_coef=0.125"]).identity()
+
+
+def test_another_steps_state_does_not_resume(tmp_path, uninterrupted):
+    """Issue #23 item 1: step 4's ``resumable`` block copied into step 6's manifest resumed on
+    step 4's weights; meta.json's step set to 99 with its digest updated resumed at step 100."""
+    from runner._digests import file_digest
+    from runner.train import run
+
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', "rl.steps=4"])
+    run_dir = _copy_run(uninterrupted[0], tmp_path / "tiny")
+    root = run_dir / "checkpoints"
+    path = ckpt.step_dir(root, 6) / "manifest.json"
+    good = json.loads(path.read_text())
+    edited = json.loads(path.read_text())
+    edited["resumable"] = json.loads((ckpt.step_dir(root, 4) / "manifest.json").read_text())[
+        "resumable"
+    ]
+    path.write_text(json.dumps(edited))
+    with pytest.raises(ckpt.CheckpointError, match=r"-step-4'.*not this run's '.*-step-6'"):
+        run(cfg, resume=True, progress=False)
+    path.write_text(json.dumps(good))
+
+    # The state's own step edited, with the manifest's digest updated to match.
+    meta = next((run_dir / good["resumable"]["provider_path"]).glob("v-*/meta.json"))
+    original = meta.read_text()
+    meta.write_text(original.replace('"step": 6', '"step": 99'))
+    assert meta.read_text() != original
+    edited = json.loads(path.read_text())
+    edited["resumable"]["sha256"][meta.relative_to(run_dir).as_posix()] = file_digest(meta)
+    path.write_text(json.dumps(edited))
+    with pytest.raises(ckpt.CheckpointError, match="records step 99 but its optimizer state has"):
+        run(cfg, resume=True, progress=False)
+    # ... and the state of step 4 copied over step 6's, all digests updated: its own name says so.
+    meta.write_text(original)
+    path.write_text(json.dumps(good))
+    import shutil
+
+    state6 = run_dir / good["resumable"]["provider_path"]
+    older = json.loads((ckpt.step_dir(root, 4) / "manifest.json").read_text())
+    state4 = run_dir / older["resumable"]["provider_path"]
+    shutil.rmtree(state6)
+    shutil.copytree(state4, state6)
+    edited = json.loads(path.read_text())
+    edited["resumable"]["sha256"] = {
+        f.relative_to(run_dir).as_posix(): file_digest(f)
+        for f in sorted(state6.rglob("*"))
+        if f.is_file()
+    }
+    path.write_text(json.dumps(edited))
+    with pytest.raises(ckpt.CheckpointError, match=r"records the state saved as '.*-step-4'"):
+        run(cfg, resume=True, progress=False)
+
+
+@pytest.mark.parametrize(
+    "override, step",
+    [("optim.eps=0", 1), ("sft.learning_rate=1e30", 1)],
+)
+def test_a_non_finite_step_stops_the_run_before_its_update_and_checkpoint(tmp_path, override, step):
+    """Issue #23 item 4: NaN weights were trained and checkpointed, the run dying only at the
+    first RL step blaming ``sampling_logprobs``."""
+    from runner import NonFiniteUpdateError
+    from runner.train import run
+
+    cfg = load_config(TINY, [f'run.output_dir="{tmp_path}"', "checkpoint.interval=1", override])
+    key = override.split("=")[0]
+    with pytest.raises(NonFiniteUpdateError, match=rf"^step {step} \(sft\): .* not finite.*"):
+        run(cfg, progress=False)
+    with pytest.raises(NonFiniteUpdateError, match=rf"Likely cause: .*{key.split('.')[1]}"):
+        run(load_config(TINY, [f'run.output_dir="{tmp_path}/b"', override]), progress=False)
+    assert ckpt.latest_step(tmp_path / "tiny" / "checkpoints") is None
+    log = (tmp_path / "tiny" / "metrics.jsonl").read_text()
+    records = [json.loads(x) for x in log.splitlines()]
+    assert [r["step"] for r in records] == list(range(step))  # the failing step is not logged

@@ -574,3 +574,51 @@ def test_forward_backward_output_encoding_round_trips():
         [-1.0, -1.0],
     ]
     assert out.metrics == {"loss:sum": 2.5} and json.dumps(out.metrics)
+
+
+def test_every_client_controlled_size_is_bounded_naming_its_flag(tmp_path_factory, models, served):
+    """Issue #23 item 2: ``sample(num_samples=10**6)`` grew the server to 14 GB until it was
+    OOM-killed; now each size a client controls has a bound, and a request over one is a 400
+    naming the bound and the flag that raises it."""
+    service = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    sampler = _client(service, served).save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([3, 4])
+    with pytest.raises(tinker.BadRequestError, match=r"num_samples is 1000000, .*--max-samples"):
+        sampler.sample(prompt, 10**6, types.SamplingParams(max_tokens=2)).result(timeout=60)
+    service.close("success").result(timeout=30)
+    limits = dict(max_sample_tokens=100, max_sessions=1, max_models=1, max_batch_rows=2)
+    with _server(tmp_path_factory, models, long_poll_s=0.5, **limits) as st:
+        first = tinker.ServiceClient(base_url=st.url, api_key=KEY)
+        client = _client(first, st)
+        sampler = client.save_weights_and_get_sampling_client().result()
+        with pytest.raises(tinker.BadRequestError, match=r"\(2 \+ 10 x 20\).*--max-sample-tokens"):
+            sampler.sample(prompt, 10, types.SamplingParams(max_tokens=20)).result(timeout=60)
+        out = sampler.sample(prompt, 4, types.SamplingParams(max_tokens=20)).result(timeout=60)
+        assert len(out.sequences) == 4  # within the bound
+        with pytest.raises(tinker.BadRequestError, match=r"training models .* --max-models"):
+            _client(first, st)
+        datums = to_datums(_seqs(3), ("weights",))
+        with pytest.raises(Exception, match=r"datums is 3, .*--max-batch-rows"):
+            client.forward_backward(datums, "cross_entropy").result(timeout=60)
+        with pytest.raises(Exception, match=r"live sessions of this API key is 2, .*--max-sess"):
+            _client(tinker.ServiceClient(base_url=st.url, api_key=KEY), st)
+        first.close("success").result(timeout=30)
+
+
+def test_a_short_api_key_is_refused():
+    """Issue #23 item 8: a one-character API key was accepted."""
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        ServeConfig(api_key="k", state_dir="unused")
+    with pytest.raises(ValueError, match="--max-samples must be an integer >= 1"):
+        ServeConfig(api_key=KEY, state_dir="unused", max_samples=0)
+
+
+def test_a_deeply_nested_body_is_a_400_not_a_500(served):
+    """Issue #23 item 7: a 100,000-deep JSON body was answered with a 500."""
+    body = b'{"sdk_version": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = _http(served, "POST", "/api/v1/create_session", content=body)
+    assert r.status_code == 400 and r.json()["category"] == "user"
+    assert "nested more than 512 levels" in r.json()["error"]
+    twice = b'{"sdk_version": "1", "sdk_version": "2"}'
+    r = _http(served, "POST", "/api/v1/create_session", content=twice)
+    assert r.status_code == 400 and "duplicate key 'sdk_version'" in r.json()["error"]

@@ -411,6 +411,37 @@ def test_a_silent_service_times_out_in_one_line(served, cfg, faults):
         trainer.close()
 
 
+def test_a_waiting_run_says_so_and_a_listener_that_never_answers_ends_in_one_line(cfg, capsys):
+    """Issue #23 item 3: against a listener that never answers the runner printed nothing for
+    120 s (the SDK creates its session synchronously, with no timeout of its own)."""
+    import socket
+
+    from runner import __main__ as cli
+
+    with socket.socket() as listener:  # accepts connections (the probe passes), never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        args = ["train", "--config", str(TINY), "--no-progress", "--output-dir"]
+        args += [str(cfg.run.output_dir), "--backend", "tinker"]
+        for key in ("base_model", "api_key_env", "lora_rank"):
+            args += ["--set", f"tinker.{key}={getattr(cfg.tinker, key)!r}"]
+        args += ["--set", f"tinker.base_url='{url}'", "--set", "tinker.request_timeout_s=6"]
+        capsys.readouterr()
+        t0 = time.monotonic()
+        assert cli.main(args) == 2
+        assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (
+        f"waiting for create_lora_training_client from {url}: 5 s so far (gives up after 6 s, "
+        "[tinker].request_timeout_s)"
+    )
+    assert err[1:] == [
+        f"error: Tinker ({url}): cannot create a training client of '{MODEL}': no answer within "
+        "[tinker].request_timeout_s = 6 s"
+    ]
+
+
 # -- the torch bridge -----------------------------------------------------------------------
 
 

@@ -192,6 +192,13 @@ def read_meta(version: Path) -> dict:
             f"(kind={meta.get('kind')!r}, format_version={meta.get('format_version')!r})"
         )
     verify_tree(version, meta.get("files"), what=f"checkpoint {version}", under="tree")
+    if meta.get("name") != version.parent.name:
+        # The state's own name (a run's checkpoints carry its run id and step in it) is inside
+        # the verified files: a state moved or copied under another name is not that state.
+        raise IntegrityError(
+            f"{path} records the state saved as {meta.get('name')!r}, not "
+            f"{version.parent.name!r}: the checkpoint was moved, copied or edited"
+        )
     return meta
 
 

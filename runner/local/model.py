@@ -165,6 +165,13 @@ class LocalTrainerConfig:
                 f"LocalTrainerConfig.lora must be a runner.local.models.LoraConfig, got "
                 f"{type(self.lora).__name__}"
             )
+        width = min(dec.hidden_size, dec.intermediate_size)
+        if self.lora is not None and self.lora.rank > width:
+            # a rank above the narrowest adapted layer adds no capacity, only memory
+            raise ValueError(
+                f"LoRA rank {self.lora.rank} exceeds the model's layer width {width} "
+                "(min(hidden_size, intermediate_size)): use a rank <= it"
+            )
         if not isinstance(self.unroll_layers, bool):
             raise ValueError(
                 f"LocalTrainerConfig.unroll_layers must be a bool, got {self.unroll_layers!r}"

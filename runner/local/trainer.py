@@ -59,6 +59,7 @@ from runner._types import (
     NORMALIZATIONS,
     AdamParams,
     ForwardBackwardResult,
+    NonFiniteUpdateError,
     Sample,
     Seq,
     validate_seqs,
@@ -221,9 +222,23 @@ def _optim_step_jit(dtype_name: str, rep: NamedSharding):
         grads = jax.tree.map(lambda g: g * scale, grads)
         hp = dict(opt_state.hyperparams)
         hp.update(learning_rate=lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
-        opt_state = opt_state._replace(hyperparams=hp)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, norm
+        new_state = opt_state._replace(hyperparams=hp)
+        updates, new_state = tx.update(grads, new_state, params)
+        # A non-finite gradient or update (a learning rate that overflows, eps = 0 over a zero
+        # second moment) is not applied: the old parameters and state are kept, and the host
+        # raises (`NonFiniteUpdateError`).
+        ok = jnp.isfinite(norm) & jnp.isfinite(optax.tree.norm(updates))
+        new_params = optax.apply_updates(params, updates)
+
+        def keep(new, old):
+            return jnp.where(ok, new, old)
+
+        return (
+            jax.tree.map(keep, new_params, params),
+            jax.tree.map(keep, new_state, opt_state),
+            norm,
+            ok,
+        )
 
     return jax.jit(step, out_shardings=rep)
 
@@ -275,6 +290,11 @@ class LocalTrainer:
     MIN_ROWS = _padding.MIN_ROWS
     #: Builtin kernels this trainer runs (the step planner reads this).
     builtin_losses = kernels.SUPPORTED
+    #: Most rows (prompts × num_samples) and tokens (prompts + completions) of one `sample`
+    #: call, so one call cannot take the host's memory (the KV cache grows with both); a
+    #: caller that needs more sets these on the instance or splits the call.
+    max_sample_rows = 4096
+    max_sample_tokens = 1 << 21
 
     def __init__(
         self,
@@ -530,6 +550,8 @@ class LocalTrainer:
 
         Raises:
           ValueError: nothing accumulated, or an unknown normalization.
+          NonFiniteUpdateError: the gradient or the update is not finite (NaN/inf); the
+            parameters and optimizer state are left as they were.
         """
         if not isinstance(adam, AdamParams):
             raise ValueError(f"optim_step: adam must be a runner.AdamParams, got {adam!r}")
@@ -548,7 +570,7 @@ class LocalTrainer:
         denom = 1 if mode == "none" else max(counts[mode], 1)
         s = functools.partial(np.asarray, dtype=self._lp_dtype)
         step_fn = _optim_step_jit(self._lp_dtype.name, self._rep)
-        self._params, self._opt_state, norm = step_fn(
+        params, opt_state, norm, ok = step_fn(
             self._params,
             self._opt_state,
             self._grads,
@@ -561,6 +583,13 @@ class LocalTrainer:
             s(adam.weight_decay),
         )
         self.reset_grads()
+        if not bool(ok):
+            raise NonFiniteUpdateError(
+                f"optim_step: the gradient (norm {float(norm)}) or the AdamW update is not "
+                f"finite; it was not applied (learning_rate={adam.learning_rate:g}, "
+                f"eps={adam.eps:g}: a learning rate too large, or eps = 0, are the usual causes)"
+            )
+        self._params, self._opt_state = params, opt_state
         self.step += 1
         self.counters["optim_step"] += 1
         return {
@@ -634,6 +663,15 @@ class LocalTrainer:
         bad = [t for t in stops if t >= cfg.vocab_size]
         if bad:
             raise ValueError(f"sample: stop token {bad[0]} is outside the vocabulary")
+        rows = len(arrays) * num_samples
+        tokens = sum(len(a) for a in arrays) * num_samples + rows * max_tokens
+        if rows > self.max_sample_rows or tokens > self.max_sample_tokens:
+            raise ValueError(
+                f"sample: {len(arrays)} prompts x num_samples={num_samples} is {rows} rows and "
+                f"{tokens} tokens (prompts + completions of max_tokens={max_tokens}), over this "
+                f"trainer's limits of {self.max_sample_rows} rows and {self.max_sample_tokens} "
+                "tokens per call (LocalTrainer.max_sample_rows / max_sample_tokens; split the call)"
+            )
         longest = max(a.shape[0] for a in arrays)
         if longest + max_tokens - 1 > cfg.max_seq_len:
             raise ValueError(
@@ -806,11 +844,18 @@ class LocalTrainer:
             "opt_state": {f"{i:04d}": abstract(leaf) for i, leaf in enumerate(leaves)},
         }
         restored = checkpoint.read_tree(version / "tree", target)
-        self._params = restored["params"]
         if with_optimizer:
             opt = [restored["opt_state"][f"{i:04d}"] for i in range(len(leaves))]
-            self._opt_state = jax.tree_util.tree_unflatten(treedef, opt)
+            opt_state = jax.tree_util.tree_unflatten(treedef, opt)
+            if meta.get("step") != int(opt_state.count):  # the step inside the verified tree
+                raise checkpoint.IntegrityError(
+                    f"load_state({ref!r}): {version / 'meta.json'} records step "
+                    f"{meta.get('step')!r} but its optimizer state has taken "
+                    f"{int(opt_state.count)} steps: the checkpoint was edited"
+                )
+            self._opt_state = opt_state
             self.step = int(meta["step"])
+        self._params = restored["params"]
         self.reset_grads()
 
     def list_checkpoints(self) -> list[str]:

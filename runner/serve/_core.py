@@ -45,6 +45,10 @@ from typing import Any, Protocol
 import pydantic
 from aiohttp import web
 
+from runner._json import JsonError
+from runner._json import loads as strict_json
+from runner._limits import MIN_API_KEY_CHARS, SERVE_LIMITS
+
 log = logging.getLogger("runner.serve")
 
 CATEGORIES = ("user", "server")
@@ -147,8 +151,8 @@ def _too_large(limit: int, what: str = "") -> ServeError:
 def json_body(raw: bytes) -> dict[str, Any]:
     """A JSON object body (raises a user error naming the problem)."""
     try:
-        data = json.loads(raw.decode("utf-8")) if raw else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = strict_json(raw) if raw else {}
+    except JsonError as exc:
         raise user_error(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise user_error(f"request body must be a JSON object, got {type(data).__name__}")
@@ -482,6 +486,7 @@ class Session:
     last_heartbeat: float = dataclasses.field(default_factory=time.monotonic)
     finished: str | None = None  # the finish reason once the client closed it
     model_seq: dict[int, str] = dataclasses.field(default_factory=dict)  # model_seq_id → request
+    key: int = 0  # which of the server's API keys created it (`KEY_INDEX`)
     sampler_seq: dict[int, str] = dataclasses.field(default_factory=dict)  # sampler seq → sampler
 
 
@@ -540,6 +545,20 @@ class Flavour(Protocol):
 # -- the server ---------------------------------------------------------------------------------
 
 
+#: `ServeConfig` limit → the ``python -m runner serve`` flag that sets it.
+LIMIT_FLAGS = {name: flag for name, (flag, _, _) in SERVE_LIMITS.items()}
+
+
+def over_limit(config: Any, name: str, what: str, value: int) -> None:
+    """A 400 naming the limit and its flag when ``value`` exceeds ``config.<name>``."""
+    limit = getattr(config, name)
+    if value > limit:
+        raise user_error(
+            f"{what} is {value}, over this server's limit of {limit} (start the server with "
+            f"{LIMIT_FLAGS[name]} N to raise it)"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """Server settings (the ``python -m runner serve`` flags and test knobs).
@@ -557,6 +576,11 @@ class ServeConfig:
       sample_quiet_s / sample_incomplete_quiet_s / sample_max_wait_s: the sampling batcher's
         coalescing windows (`runner.serve._engine.SampleBatcher`).
       workers: threads for blocking work (training jobs, sampling, loads).
+      max_samples / max_sample_tokens / max_batch_rows / max_sessions / max_models: the bounds
+        on what one client may ask for (`LIMIT_FLAGS` names each one's ``serve`` flag): samples
+        per sampling request; tokens per sampling request (prompt + samples × max_tokens);
+        sequences per forward / forward_backward; live sessions per API key; training models
+        per API key. A request over one is a 400 naming the limit and its flag.
     """
 
     api_key: str
@@ -570,12 +594,23 @@ class ServeConfig:
     sample_incomplete_quiet_s: float = 0.1
     sample_max_wait_s: float = 1.0
     workers: int = 4
+    max_samples: int = SERVE_LIMITS["max_samples"][1]
+    max_sample_tokens: int = SERVE_LIMITS["max_sample_tokens"][1]
+    max_batch_rows: int = SERVE_LIMITS["max_batch_rows"][1]
+    max_sessions: int = SERVE_LIMITS["max_sessions"][1]
+    max_models: int = SERVE_LIMITS["max_models"][1]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.api_key, str) or not self.api_key.strip():
-            raise ValueError("ServeConfig.api_key must be a non-empty string")
-        if not all(isinstance(k, str) and k.strip() for k in self.extra_api_keys):
-            raise ValueError("ServeConfig.extra_api_keys must be non-empty strings")
+        for key in (self.api_key, *self.extra_api_keys):
+            if not isinstance(key, str) or len(key.strip()) < MIN_API_KEY_CHARS:
+                raise ValueError(
+                    f"the server's API key must be at least {MIN_API_KEY_CHARS} characters (a "
+                    "short key can be guessed; e.g. tml-$(openssl rand -hex 16))"
+                )
+        for name in LIMIT_FLAGS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{LIMIT_FLAGS[name]} must be an integer >= 1, got {value!r}")
         if not 0 < self.long_poll_s < 45:
             raise ValueError(f"ServeConfig.long_poll_s must be in (0, 45), got {self.long_poll_s}")
         if self.max_body_bytes < 1024:
@@ -651,10 +686,18 @@ class Server:
     async def json(self, request: web.Request) -> dict[str, Any]:
         return json_body(await self.body(request))
 
-    def new_session(self, flavour: str, sdk_version: str) -> Session:
-        session = Session(f"sess-{uuid.uuid4().hex[:20]}", flavour, sdk_version)
+    def new_session(self, flavour: str, sdk_version: str, request: Any = None) -> Session:
+        key = request.get(KEY_INDEX, 0) if request is not None else 0
+        live = sum(1 for s in self.sessions.values() if s.key == key and s.finished is None)
+        over_limit(self.config, "max_sessions", "the live sessions of this API key", live + 1)
+        session = Session(f"sess-{uuid.uuid4().hex[:20]}", flavour, sdk_version, key=key)
         self.sessions[session.session_id] = session
         return session
+
+    def check_new_model(self, session: Session) -> None:
+        """A 400 when ``session``'s API key already has `ServeConfig.max_models` models."""
+        models = sum(len(s.model_seq) for s in self.sessions.values() if s.key == session.key)
+        over_limit(self.config, "max_models", "the training models of this API key", models + 1)
 
     def session(self, session_id: Any, *, live: bool = True) -> Session:
         """The session, or a user error (410 for one that finished)."""
@@ -735,6 +778,10 @@ def _presented_key(request: web.Request) -> str | None:
     return None
 
 
+#: The request item the auth middleware sets: the index of the key it presented.
+KEY_INDEX = web.RequestKey("foldloss.key_index", int)
+
+
 def auth_middleware(api_key: str, *extra_keys: str):
     expected = [k.encode() for k in (api_key, *extra_keys)]
 
@@ -748,6 +795,7 @@ def auth_middleware(api_key: str, *extra_keys: str):
         matches = [hmac.compare_digest(given, key) for key in expected]
         if not any(matches):
             raise ServeError("invalid API key", status=401)
+        request[KEY_INDEX] = matches.index(True)
         return await handler(request)
 
     return middleware

@@ -40,6 +40,7 @@ import json
 import logging
 import re
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,7 +52,7 @@ import numpy as np
 from runner._atomic import atomic_write_json, make_dirs
 from runner._kernels import KERNELS, check_kernel_inputs, resolve_config
 from runner._types import NORMALIZATIONS, AdamParams, Sample, Seq, validate_seqs
-from runner.serve._core import ServeError, user_error
+from runner.serve._core import ServeError, over_limit, user_error
 from runner.tinker._seeds import decode_prompt_seed
 
 log = logging.getLogger("runner.serve")
@@ -250,6 +251,13 @@ def resolve_lora(base: BaseModel, request: LoraRequest | None, seed: int) -> Any
         raise user_error(f"create_model: lora rank must be an integer >= 0, got {rank!r}")
     if rank == 0 or not base.supports_lora:
         return None
+    dec = base.config.decoder
+    width = min(dec.hidden_size, dec.intermediate_size)
+    if rank > width:
+        raise user_error(
+            f"create_model: lora rank {rank} exceeds the base model's layer width {width} "
+            "(min(hidden_size, intermediate_size)): use a rank <= it"
+        )
     if request.train_unembed:
         raise user_error(
             "create_model: train_unembed=True is not supported: the local trainer's LoRA adapts "
@@ -381,6 +389,8 @@ class Engine:
         self._initial_params: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._value_fns: dict[tuple, Any] = {}
+        #: The server's per-request bounds (a `ServeConfig`, set by `make_server`); None: none.
+        self.limits: Any = None
 
     # -- base models --------------------------------------------------------------------------
 
@@ -714,6 +724,8 @@ class Engine:
                 from runner.local import LocalTrainer
 
                 engine = self._engines[key] = LocalTrainer(key)
+                # each request is bounded by the server (`check_sample`); a batch merges them
+                engine.max_sample_rows = engine.max_sample_tokens = sys.maxsize
         if self._engine_params.get(key) is not entry.params:
             engine.set_params(entry.params)
             self._engine_params[key] = entry.params
@@ -760,6 +772,15 @@ class Engine:
             raise user_error(f"stop token {bad[0]} is outside the vocabulary")
         if job.num_samples < 1 or job.max_tokens < 1:
             raise user_error("num_samples and max_tokens must be >= 1")
+        if self.limits is not None:  # the server's bounds on one request (`ServeConfig`)
+            over_limit(self.limits, "max_samples", "num_samples", job.num_samples)
+            over_limit(
+                self.limits,
+                "max_sample_tokens",
+                f"prompt + num_samples x max_tokens ({p.shape[0]} + {job.num_samples} x "
+                f"{job.max_tokens})",
+                p.shape[0] + job.num_samples * job.max_tokens,
+            )
         if not (np.isfinite(job.temperature) and job.temperature >= 0):
             raise user_error(f"temperature must be finite and >= 0, got {job.temperature}")
 

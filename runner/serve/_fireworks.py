@@ -55,6 +55,7 @@ from runner.serve._core import (
     ServeError,
     Server,
     json_response,
+    over_limit,
     parse_model,
     retrieve,
     user_error,
@@ -255,7 +256,7 @@ class FireworksFlavour:
         )
         if req.project_id is not None:
             raise user_error("create_session: project_id is not supported")
-        session = server.new_session(self.name, req.sdk_version)
+        session = server.new_session(self.name, req.sdk_version, request)
         self._session_ns[session.session_id] = Namespace(job, session.session_id)
         return json_response({"type": "create_session", "session_id": session.session_id})
 
@@ -284,6 +285,7 @@ class FireworksFlavour:
         if known is not None:  # a resubmission
             return json_response({"request_id": known, "model_id": model_id})
         base = server.engine.base(req.base_model)  # an unknown base model fails here, at once
+        server.check_new_model(session)
         if ns.job is not None:
             self.control.check_base(ns.job, base.name)
         lora = req.lora_config
@@ -386,6 +388,7 @@ class FireworksFlavour:
             fb = req.forward_input if forward_only else req.forward_backward_input
             if not fb.data:
                 raise user_error("forward_backward: no data")
+            over_limit(server.config, "max_batch_rows", "forward_backward's datums", len(fb.data))
             seqs = [datum_to_seq(d, i) for i, d in enumerate(fb.data)]
             if forward_only and fb.loss_fn == "cross_entropy":
                 # a forward needs no weights: absent ones count every target (the SDK's

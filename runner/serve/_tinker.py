@@ -37,6 +37,7 @@ from runner.serve._core import (
     ServeError,
     Server,
     json_response,
+    over_limit,
     parse_model,
     retrieve,
     user_error,
@@ -241,7 +242,7 @@ async def dynamic_config(server: Server, request: web.Request) -> web.Response:
 
 async def create_session(server: Server, request: web.Request) -> web.Response:
     req = await _parse(server, request, tt.CreateSessionRequest, "create_session")
-    session = server.new_session(TinkerFlavour.name, req.sdk_version)
+    session = server.new_session(TinkerFlavour.name, req.sdk_version, request)
     return json_response({"type": "create_session", "session_id": session.session_id})
 
 
@@ -287,6 +288,7 @@ async def create_model(server: Server, request: web.Request) -> web.Response:
     if known is not None:  # a resubmission
         return _ack(server.futures.get(known), model_id=model_id)
     server.engine.base(req.base_model)  # an unknown base model fails here, at once
+    server.check_new_model(session)
     if getattr(req.optimizer_config, "type", "adamw") != "adamw":
         raise user_error(
             f"optimizer {req.optimizer_config.type!r} is not supported (the server trains AdamW)"
@@ -359,6 +361,7 @@ async def forward_backward(server: Server, request: web.Request) -> web.Response
     try:
         if not req.data:
             raise user_error("forward_backward: no data")
+        over_limit(server.config, "max_batch_rows", "forward_backward's datums", len(req.data))
         seqs = [datum_to_seq(d, i) for i, d in enumerate(req.data)]
         loss_fn, config = req.loss_fn, _loss_config(req)
     except ServeError as err:  # consumes the seq_id in its turn: later requests still run

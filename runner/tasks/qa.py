@@ -24,7 +24,6 @@ checked when the task is built, with errors naming the file, the line and the fi
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from pathlib import Path
@@ -32,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from runner._json import JsonError
+from runner._json import loads as strict_json
 from runner.chat import renderer_for
 from runner.tasks._protocol import StepResult
 from runner.tokenizers import Tokenizer
@@ -80,9 +81,9 @@ def read_questions(
             continue
         where = f"{path}:{number}"
         try:
-            obj = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc})") from None
+            obj = strict_json(line, first=number == 1)
+        except JsonError as exc:
+            raise ValueError(f"{where}: {exc}") from None
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: a record must be a JSON object, got {type(obj).__name__}")
         prompt, answer = obj.get("prompt"), obj.get("answer")

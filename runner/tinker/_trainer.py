@@ -24,6 +24,7 @@ optimizer state). The API key is used to connect and never stored, logged or wri
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import warnings
@@ -39,7 +40,7 @@ from runner._hosted import COUNTERS as HOSTED_COUNTERS
 from runner._hosted import as_seq_list as _as_list
 from runner._hosted import check_sample_args, float_metrics
 from runner._hosted import to_sample as _to_sample
-from runner._net import probe
+from runner._net import ServiceUnreachable, in_daemon_thread, probe, wait_result
 from runner._padding import CheckedSeqs
 from runner._types import AdamParams, ForwardBackwardResult, Sample, Seq
 from runner.checkpoints import CheckpointError
@@ -98,7 +99,7 @@ class TinkerTrainer:
         rest: Any = None,
         base_url: str = "",
         max_seq_len: int | None = None,
-        request_timeout_s: float = 3600.0,
+        request_timeout_s: float = 300.0,
         close_timeout_s: float = 5.0,
         builtin_losses: Sequence[str] | None = None,
     ) -> None:
@@ -142,13 +143,22 @@ class TinkerTrainer:
     def _result(self, future: Any, what: str) -> Any:
         """The future's result; any failure becomes one `TinkerRequestError` line."""
         try:
-            return future.result(timeout=self.request_timeout_s)
+            return wait_result(
+                future,
+                timeout_s=self.request_timeout_s,
+                what=what,
+                url=self.base_url,
+                setting="[tinker].request_timeout_s",
+            )
         except concurrent.futures.TimeoutError:
             self._cancel(future)
             raise self._error(
                 f"{what}: no result within [tinker].request_timeout_s = "
                 f"{self.request_timeout_s:g} s (the service may be down or overloaded)"
             ) from None
+        except ServiceUnreachable as exc:
+            self._cancel(future)
+            raise self._error(str(exc)) from None
         except tinker.RequestFailedError as exc:
             raise self._error(
                 f"{what} failed ({exc.category} error): {_first_line(exc.message)}"
@@ -518,18 +528,30 @@ def connect(tcfg: Any, api_key: str, *, seed: int) -> tuple[Any, Any, Any]:
     ``--backend local``).
     """
     service = tinker.ServiceClient(base_url=tcfg.base_url, api_key=api_key)
+    wait = functools.partial(
+        wait_result,
+        timeout_s=tcfg.request_timeout_s,
+        what="create_lora_training_client",
+        url=tcfg.base_url,
+        setting="[tinker].request_timeout_s",
+    )
     try:
-        future = service.create_lora_training_client(
-            tcfg.base_model,
-            rank=int(tcfg.lora_rank),
-            seed=int(seed),
-            train_unembed=bool(tcfg.train_unembed),
+        # The SDK creates its session inside this call, synchronously and with no timeout of
+        # its own (a listener that never answers would hold it forever): bounded here.
+        future = wait(
+            in_daemon_thread(
+                service.create_lora_training_client,
+                tcfg.base_model,
+                rank=int(tcfg.lora_rank),
+                seed=int(seed),
+                train_unembed=bool(tcfg.train_unembed),
+            )
         )
-        client = future.result(timeout=tcfg.request_timeout_s)
+        client = wait(future)
         rest = tinker.RestClient(base_url=tcfg.base_url, api_key=api_key)
     except BaseException:
-        try:
-            service.close("errored").result(timeout=5)
+        try:  # bounded too: the session may be the call that never answered
+            in_daemon_thread(lambda: service.close("errored").result(timeout=5)).result(6)
         except Exception:  # noqa: BLE001 - the original error matters
             pass
         raise
@@ -555,13 +577,13 @@ def make_trainer(cfg: Any, run_dir: Path | str | None = None) -> TinkerTrainer:
     )
     try:
         service, client, rest = connect(t, api_key, seed=cfg.run.seed)
-    except (tinker.TinkerError, concurrent.futures.TimeoutError) as exc:
-        what = (
-            "no answer" if isinstance(exc, concurrent.futures.TimeoutError) else type(exc).__name__
-        )
+    except (tinker.TinkerError, concurrent.futures.TimeoutError, ServiceUnreachable) as exc:
+        if isinstance(exc, concurrent.futures.TimeoutError):
+            why = f"no answer within [tinker].request_timeout_s = {t.request_timeout_s:g} s"
+        else:
+            why = f"{type(exc).__name__}: {_first_line(str(exc))}"
         raise TinkerRequestError(
-            f"Tinker ({t.base_url}): cannot create a training client of {t.base_model!r}: "
-            f"{what}: {_first_line(str(exc))}"
+            f"Tinker ({t.base_url}): cannot create a training client of {t.base_model!r}: {why}"
         ) from None
     return TinkerTrainer(
         client,
