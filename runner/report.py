@@ -126,9 +126,9 @@ COLUMNS: tuple[tuple[str, Callable[[Headline], str]], ...] = (
     ("eval reward after RL", lambda h: _fmt(h.eval_after_rl, ".3f")),
     (
         "env NLL first → last",
-        lambda h: "—"
-        if h.env_nll_first is None
-        else f"{h.env_nll_first:.3f} → {h.env_nll_last:.3f}",
+        lambda h: (
+            "—" if h.env_nll_first is None else f"{h.env_nll_first:.3f} → {h.env_nll_last:.3f}"
+        ),
     ),
     ("wall time", lambda h: _duration(h.wall_s)),
     ("RL tok/s (median)", lambda h: _fmt(h.rl_tokens_per_s, ".0f")),
@@ -176,7 +176,7 @@ def _clip_frac(r: Record) -> float | None:
     """The fraction of tokens clipped by the policy term: ``*/clip_frac``, else the sum of
     ``*/clip_frac_low`` and ``*/clip_frac_high`` (disjoint: a token is clipped on one side)."""
     total, found = 0.0, False
-    for k, v in r.items():
+    for k in r:
         if k.endswith(("/clip_frac", "/clip_frac_low", "/clip_frac_high")):
             x = _number(r, k)
             if x is not None:
