@@ -249,9 +249,17 @@ class Tracking:
         if not kinds:
             return cls.disabled()
         state_path = run_dir / STATE_FILE
-        state: dict[str, int] = {}
+        state: Any = {}
         if resume and state_path.exists():
-            state = json.loads(state_path.read_text())
+            try:
+                state = json.loads(state_path.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                state = None
+            if not isinstance(state, dict) or not all(isinstance(v, int) for v in state.values()):
+                raise ValueError(
+                    f"--resume: {state_path} is not a JSON object of steps; delete it to give "
+                    "the sinks the whole run again"
+                )
         last = records[-1]["step"] if records else -1
         sinks: dict[str, Sink] = {}
         tracking = cls(sinks, state_path, last)
