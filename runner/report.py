@@ -254,10 +254,12 @@ def write_comparison(runs: Sequence[tuple[str, Sequence[Record]]], path: Path) -
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     smoothed = False
     for ax, curve in zip(axes.flat, panels, strict=False):
+        values = []
         for i, (_, recs) in enumerate(runs):
             xs, ys = _series(recs, curve.get)
             if not xs:
                 continue
+            values.extend(ys)
             color = colors[i % len(colors)]
             if curve.smooth and len(xs) > SMOOTH_WINDOW:
                 ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
@@ -266,6 +268,16 @@ def write_comparison(runs: Sequence[tuple[str, Sequence[Record]]], path: Path) -
             else:  # markers where the points are few (evaluations, short runs)
                 style = "o-" if len(xs) <= MARKERS_UP_TO else "-"
                 ax.plot(xs, ys, style, color=color, markersize=4, linewidth=1.5)
+        if not any(values):  # say it: a flat line at 0 reads like a missing curve
+            ax.text(
+                0.5,
+                0.6,
+                "0 at every step",
+                transform=ax.transAxes,
+                ha="center",
+                color="0.35",
+                fontsize=11,
+            )
         ax.set_title(curve.title, fontsize=11)
         ax.set_ylabel(curve.ylabel)
         ax.set_xlabel("step")
