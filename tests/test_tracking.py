@@ -214,3 +214,36 @@ def test_tracking_settings_do_not_change_what_the_run_computes():
     assert logged.identity() == base.identity()  # a resume may switch a sink on or off
     with pytest.raises(ValueError, match=r"\[log\].wandb_project"):
         load_config(TINY, ["log.wandb=true", 'log.wandb_project=""'])
+
+
+def _recs(steps, offset=0.0):
+    return [{"step": s, "phase": "rl", "time": 1.7e9 + s, "x": s + offset, "l": [1]} for s in steps]
+
+
+def test_tensorboard_resume_discards_a_torn_flush_and_a_late_sink_is_backfilled(tmp_path):
+    """Without training: the real TensorBoard sink through `Tracking`, as a resume sees it."""
+    from runner.tracking import STATE_FILE, Tracking
+
+    cfg = load_config(TINY, ["log.tensorboard=true"])
+    t = Tracking.open(cfg, tmp_path, "rid", [], resume=False)
+    t.commit(_recs(range(3)), 2)  # the checkpoint of step 2
+    for r in _recs([3, 4], offset=100.0):  # a flush torn by a kill: sent, never saved as sent
+        t.sinks["tensorboard"].log(r["step"], {"x": r["x"]}, r["time"], {})
+    t.close(ok=False)
+    assert json.loads((tmp_path / STATE_FILE).read_text()) == {"tensorboard": 2}
+    t = Tracking.open(cfg, tmp_path, "rid", _recs(range(3)), resume=True)
+    t.commit(_recs(range(6)), 5)
+    t.close()
+    acc = _tensorboard(tmp_path)
+    assert [(e.step, e.value) for e in acc.Scalars("x")] == [(s, float(s)) for s in range(6)]
+    assert set(acc.Tags()["scalars"]) == {"x"} and len(acc.Tensors("config")) == 1
+
+    # a sink switched on at a resume gets the config and every record up to the checkpoint
+    (tmp_path / "late").mkdir()
+    t = Tracking.open(cfg, tmp_path / "late", "rid", _recs(range(4)), resume=True)
+    t.close()
+    acc = _tensorboard(tmp_path / "late")
+    assert [e.step for e in acc.Scalars("x")] == [0, 1, 2, 3] and len(acc.Tensors("config")) == 1
+    (tmp_path / "late" / STATE_FILE).write_text("[1]")
+    with pytest.raises(ValueError, match=r"tracking.json is not a JSON object of steps"):
+        Tracking.open(cfg, tmp_path / "late", "rid", [], resume=True)
