@@ -1,4 +1,4 @@
-"""``python -m runner train|sft|serve`` — the main job's command line and the local server."""
+"""``python -m runner train|sft|report|serve`` — the main job's command line and the local server."""
 
 from __future__ import annotations
 
@@ -57,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
             metavar="SECTION.KEY=VALUE",
             help="override any config value, e.g. --set rl.group_size=4",
         )
+    s = sub.add_parser(
+        "report", help="a table of runs' headline numbers and one PNG of their curves"
+    )
+    s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
+    s.add_argument(
+        "--out", default=None, help="the PNG (default: report.png beside the first RUN_DIR)"
+    )
     s = sub.add_parser(
         "serve", help="the local training server (tinker SDK wire protocol; docs/serve.md)"
     )
@@ -120,10 +127,25 @@ def _serve(args) -> int:
         return 2
 
 
+def _report(args) -> int:
+    from runner.report import report
+
+    dirs = [Path(d) for d in args.run_dirs]
+    out = Path(args.out) if args.out else dirs[0].resolve().parent / "report.png"
+    try:
+        report(dirs, out)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "report":
+        return _report(args)
     overrides = list(args.set)
     for flag, key in (
         ("backend", "run.backend"),

@@ -189,6 +189,19 @@ class TinkerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """Experiment tracking (`runner.tracking`; docs/tracking.md): copies of ``metrics.jsonl``,
+    the config and the plot in Weights & Biases (``wandb``; ``pip install 'foldloss[wandb]'``)
+    and TensorBoard event files under the run directory (``tensorboard``; the ``tensorboard``
+    extra). ``wandb_entity`` empty: the account's default entity."""
+
+    wandb: bool = False
+    wandb_project: str = "foldloss"
+    wandb_entity: str = ""
+    tensorboard: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -200,6 +213,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     fireworks: FireworksConfig = FireworksConfig()
     tinker: TinkerConfig = TinkerConfig()
+    log: LogConfig = LogConfig()
 
     @property
     def total_steps(self) -> int:
@@ -221,6 +235,7 @@ class Config:
         d["sft"] = {k: v for k, v in d["sft"].items() if k != "steps"}
         d["rl"] = {k: v for k, v in d["rl"].items() if k != "steps"}
         d.pop("checkpoint")
+        d.pop("log")  # where copies of the metrics go
         # where the service is (a resume may use another URL), not what it computes
         d["fireworks"] = {}
         d["tinker"] = {}
@@ -269,6 +284,7 @@ def _section_class(name: str):
         "checkpoint": CheckpointConfig,
         "fireworks": FireworksConfig,
         "tinker": TinkerConfig,
+        "log": LogConfig,
     }[name]
 
 
@@ -414,6 +430,11 @@ def validate(cfg: Config) -> None:
             f"(logits / temperature must stay finite in float32), got {cfg.rl.temperature!r}"
         )
     positive("checkpoint", "interval", cfg.checkpoint.interval, allow_zero=True)
+    if cfg.log.wandb and not cfg.log.wandb_project:
+        raise ValueError("config [log].wandb_project must be set when [log].wandb = true")
+    from runner.tracking import check_extras
+
+    check_extras(cfg)  # a sink's library is installed (one line naming the extra)
     _validate_data(cfg)
     if cfg.total_steps <= 0 and not cfg.sft.epochs:
         raise ValueError("config: [sft].steps + [rl].steps must be > 0")

@@ -33,6 +33,7 @@ from runner._types import NonFiniteUpdateError
 from runner.config import Config, reference_reason, rl_loss
 from runner.job import build_job, build_tokenizer, check_job
 from runner.steps import eval_nll, eval_problems, evaluate, rl_step, sft_step
+from runner.tracking import STATE_FILE, Tracking
 
 
 @dataclasses.dataclass
@@ -104,7 +105,8 @@ def _clear_unfinished(run_dir: Path) -> None:
     """Removes what a run stopped before its first checkpoint left (``--restart``)."""
     for name in ("metrics.jsonl", "plot.png", "config.json", "reference.safetensors", RUN_FILE):
         (run_dir / name).unlink(missing_ok=True)
-    for name in ("checkpoints", "trainer", "reference_trainer"):
+    (run_dir / STATE_FILE).unlink(missing_ok=True)  # (the W&B run of the new id is another run)
+    for name in ("checkpoints", "trainer", "reference_trainer", "tensorboard"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
 
 
@@ -398,6 +400,7 @@ def run(
         if owned:
             trainer = make_trainer(cfg, run_dir)
             caps = capabilities(trainer)  # probed once, right after it is built
+        tracking, ok = Tracking.disabled(), False  # W&B / TensorBoard copies ([log])
         try:
             if owned:  # (a failed check still closes the trainer, below)
                 check_capabilities(cfg, caps, start=start)
@@ -406,6 +409,7 @@ def run(
                     trainer, manifest["resumable"], with_optimizer=True, caps=caps, run_dir=run_dir
                 )
             log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
+            tracking = Tracking.open(cfg, run_dir, run_id, log.records, resume=resume)
             step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
             reference = None
             # The KL reference as the checkpoint recorded it (verified before it is loaded).
@@ -460,6 +464,7 @@ def run(
                     prefix=checkpoint_prefix(run_id),
                 )
                 plot_metrics(log.records, run_dir / "plot.png")
+                tracking.commit(log.records, step, run_dir / "plot.png")  # now durable
 
             step = start
             with Progress(total=total, start=start - 1, enabled=progress) as bar:
@@ -496,9 +501,11 @@ def run(
                         on_step(step, record)
             if caps.finalizing:  # a hosted backend's final promotion, then cleanup
                 trainer.finalize(run_dir, last_manifest)
+            ok = True
             return RunResult(run_dir=run_dir, last_step=total, metrics=log.records)
         except NonFiniteUpdateError as exc:  # the trainer refused the update: name the cause
             raise NonFiniteUpdateError(non_finite_message(cfg, step, str(exc))) from None
         finally:
+            tracking.close(ok=ok)
             if owned and caps.closing:  # e.g. the Fireworks sampling client/service
                 trainer.close()
