@@ -88,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
         help="retrieve_future waits this long before answering try_again (default 20)",
     )
     s.add_argument(
+        "--max-loss-nodes",
+        type=int,
+        default=4096,
+        help="the most nodes a custom-loss graph (create_custom_loss) may have (default 4096)",
+    )
+    s.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -108,6 +114,7 @@ def _serve(args) -> int:
             state_dir=args.state_dir,
             long_poll_s=args.long_poll_s,
             log_level=args.log_level,
+            max_loss_nodes=args.max_loss_nodes,
         )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

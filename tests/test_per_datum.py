@@ -18,7 +18,6 @@ import losses
 from tests import cases
 
 
-
 @functools.cache
 def _both(term: losses.Term):
     """One jit: the full-batch value and gradient, and those of the sum of one-row losses."""

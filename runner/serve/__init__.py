@@ -228,6 +228,7 @@ def serve_forever(
     long_poll_s: float = 20.0,
     max_body_mb: float = 64.0,
     log_level: str = "info",
+    max_loss_nodes: int = 4096,
 ) -> int:
     """``python -m runner serve``: binds, prints the URL on one line, serves until SIGINT/TERM.
 
@@ -246,6 +247,7 @@ def serve_forever(
         long_poll_s=long_poll_s,
         max_body_bytes=int(max_body_mb * 1024 * 1024),
         prefixes=DEFAULT_PREFIXES,
+        max_loss_nodes=max_loss_nodes,
     )
     base_models = parse_model_flags(models)
     if host not in LOOPBACK:

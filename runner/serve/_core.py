@@ -557,6 +557,7 @@ class ServeConfig:
       sample_quiet_s / sample_incomplete_quiet_s / sample_max_wait_s: the sampling batcher's
         coalescing windows (`runner.serve._engine.SampleBatcher`).
       workers: threads for blocking work (training jobs, sampling, loads).
+      max_loss_nodes: the most nodes a custom-loss graph may have (``--max-loss-nodes``).
     """
 
     api_key: str
@@ -570,6 +571,7 @@ class ServeConfig:
     sample_incomplete_quiet_s: float = 0.1
     sample_max_wait_s: float = 1.0
     workers: int = 4
+    max_loss_nodes: int = 4096
 
     def __post_init__(self) -> None:
         if not isinstance(self.api_key, str) or not self.api_key.strip():
@@ -580,6 +582,8 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.long_poll_s must be in (0, 45), got {self.long_poll_s}")
         if self.max_body_bytes < 1024:
             raise ValueError("ServeConfig.max_body_bytes must be >= 1024")
+        if not 1 <= self.max_loss_nodes <= 1_000_000:
+            raise ValueError("ServeConfig.max_loss_nodes must be in [1, 1000000]")
 
     def __repr__(self) -> str:  # never print the key
         return f"ServeConfig(state_dir={self.state_dir!r}, long_poll_s={self.long_poll_s})"
@@ -614,6 +618,8 @@ class Server:
         self.counters: collections.Counter[str] = collections.Counter()
         #: Unordered requests already seen, by a flavour's key (a resubmission gets the future).
         self.dedup: BoundedMap = BoundedMap()
+        #: Custom losses by loss id: ``(session_id, runner.serve._graph.Program)``.
+        self.custom_losses: dict[str, tuple[str, Any]] = {}
         #: The sampling batcher (`runner.serve._engine.SampleBatcher`), built for this server.
         self.batcher = make_batcher(self) if make_batcher is not None else None
 
