@@ -31,7 +31,11 @@ from tinker.lib.public_interfaces.custom_loss import (  # noqa: E402
     trace_loss,
 )
 
+import losses  # noqa: E402
+from benchmarks.synthetic import multi_turn_seqs  # noqa: E402
+from runner import AdamParams, StepRunner  # noqa: E402
 from runner.config import load_config  # noqa: E402
+from runner.local import LocalTrainer  # noqa: E402
 from runner.serve import ServeConfig, ServerThread, parse_model_flags  # noqa: E402
 from runner.serve._graph import MAX_DEPTH, OPS, GraphError, compile_graph  # noqa: E402
 from runner.tinker import make_trainer  # noqa: E402
@@ -41,7 +45,7 @@ MODEL = "foldloss/tiny"
 KEY_ENV = "FOLDLOSS_TEST_CUSTOM_KEY"
 KEY = f"tml-{uuid.uuid4().hex}"
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-MAX_NODES = 64
+MAX_NODES = 256
 
 
 # -- user-written losses (what a Tinker user writes) ------------------------------------------
@@ -90,9 +94,9 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trainers(served):
+def cfg(served):
     os.environ[KEY_ENV] = KEY
-    cfg = load_config(
+    return load_config(
         TINY,
         [
             "run.backend='tinker'",
@@ -103,6 +107,10 @@ def trainers(served):
             "tinker.request_timeout_s=60.0",
         ],
     )
+
+
+@pytest.fixture(scope="module")
+def trainers(cfg):
     pair = [make_trainer(cfg), make_trainer(cfg)]  # the same initialization
     yield pair
     for t in pair:
@@ -337,3 +345,48 @@ def test_bad_graphs_over_http_are_400_naming_the_node_and_the_server_keeps_servi
         {**SEEDS[0], "session_id": session, "custom_loss_seq_id": 20_001},
     )
     assert status == 200 and body["request_id"]
+
+
+# -- the step planner -------------------------------------------------------------------------
+
+TERM = losses.fold(losses.grpo(clip_high=0.28), losses.echo_env(coef=0.2))
+ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
+
+
+def _rl_seqs(served, seed=0, n=6):
+    base = served.server.engine.base_models[MODEL]
+    seqs, _ = multi_turn_seqs(
+        np.random.default_rng(seed),
+        n,
+        lengths=(12, 30),
+        obs_turn=(1, 4),
+        gap=1,
+        vocab=base.config.vocab_size,
+        trainer=LocalTrainer(base.config),
+    )
+    return seqs
+
+
+def test_the_planner_runs_grpo_plus_echo_as_one_server_pass_equal_to_the_client_path(
+    served, cfg
+):
+    server_side, client_side = make_trainer(cfg), make_trainer(cfg)
+    try:
+        seqs = _rl_seqs(served, seed=3)
+        one = StepRunner(TERM).step(server_side, seqs, ADAM)
+        two = StepRunner(TERM, mode="client").step(client_side, seqs, ADAM)
+        assert one["plan/server"] == 1.0
+        assert (one["passes/forwards"], one["passes/backwards"]) == (1.0, 1.0)
+        assert two["plan/client"] == 1.0 and two["plan/reason/forced"] == 1.0
+        assert (two["passes/forwards"], two["passes/backwards"]) == (2.0, 1.0)
+        for key in ("loss", "grpo/loss", "echo_env/loss", "echo_env/nll", "grpo/clip_frac_high"):
+            assert one[key] == pytest.approx(two[key], rel=1e-5, abs=1e-7), key
+        params = [_served(served, t).params for t in (server_side, client_side)]
+        for a, b in zip(jax.tree.leaves(params[0]), jax.tree.leaves(params[1]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-6)
+        coupled = StepRunner(losses.fold(losses.clip_cov(), losses.echo_env(coef=0.2)))
+        three = coupled.step(server_side, seqs, ADAM)
+        assert three["plan/client"] == 1.0 and three["plan/reason/not_per_datum"] == 1.0
+    finally:
+        server_side.close()
+        client_side.close()

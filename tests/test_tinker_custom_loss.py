@@ -18,8 +18,9 @@ pytest.importorskip("torch")
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss  # noqa: E402
 
 import losses  # noqa: E402
+from runner._step import datum_constants  # noqa: E402
 from runner.serve._graph import batch_loss, compile_graph  # noqa: E402
-from runner.tinker._custom_loss import UnsupportedTerm, compiled, datum_constants  # noqa: E402
+from runner.tinker._custom_loss import UnsupportedTerm, compiled  # noqa: E402
 from tests import cases  # noqa: E402
 
 LENGTHS = [6, 3, 5, 1]

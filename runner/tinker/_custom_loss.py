@@ -44,8 +44,6 @@ import losses
 
 _NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 _METRIC = re.compile(r"[a-z0-9_./-]{1,64}")
-#: Batch constants a per-datum loss may take (rank 0).
-CONSTANTS = ("num_rows", "num_action_tokens", "num_obs_tokens", "kl_baseline", "is_weight_mean")
 
 
 class UnsupportedTerm(ValueError):
@@ -366,12 +364,74 @@ def compiled(term: Any, fields: tuple[str, ...], constants: tuple[str, ...]) -> 
     return CompiledTerm(term, fields, constants)
 
 
-def datum_constants(term: Any, batch: losses.Batch) -> dict[str, float]:
-    """The rank-0 inputs every datum carries: the term's batch constants over ``batch``."""
-    full = losses.per_datum_batch(term, batch)
-    out = {}
-    for name in CONSTANTS:
-        value = getattr(full, name)
-        if value is not None:
-            out[name] = float(np.asarray(value))
-    return out
+# -- the trainer's side ------------------------------------------------------------------------
+
+
+def _fields(seqs: Sequence[Any]) -> tuple[str, ...]:
+    from runner._padding import batch_field_names
+
+    return tuple(sorted(batch_field_names(seqs)))
+
+
+def _constant_names(term: Any, seqs: Sequence[Any]) -> tuple[str, ...]:
+    """The constants' names (their values come per step from the whole batch)."""
+    first = seqs[0]
+    row = losses.Batch(**{k: np.asarray(first.inputs[k], np.float32)[None] for k in _fields(seqs)})
+    return tuple(sorted(term.per_datum.constants(row)))
+
+
+class SessionLosses:
+    """A Tinker session's server-side losses: whether the service runs them, and one uploaded
+    `tinker` ``LossHandle`` per compiled term (each traced graph is created once per session)."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self._handles: dict[int, Any] = {}
+        self._advertised: bool | None = None
+
+    @property
+    def advertised(self) -> bool:
+        """The service's client config says ``custom_loss_server_side`` and torch is here."""
+        if self._advertised is None:
+            ok = False
+            if self.service is not None:
+                config = self.service.holder.get_client_config()
+                ok = bool(getattr(config, "custom_loss_server_side", False))
+            if ok:
+                try:
+                    import torch.fx  # noqa: F401 - the SDK traces the loss with it
+                except ImportError:
+                    ok = False
+            self._advertised = ok
+        return self._advertised
+
+    def unsupported(self, term: Any, seqs: Sequence[Any]) -> str | None:
+        try:
+            compiled(term, _fields(seqs), _constant_names(term, seqs))
+        except UnsupportedTerm as exc:
+            return str(exc)
+        return None
+
+    def handle(self, ct: CompiledTerm) -> Any:
+        key = id(ct)
+        if key not in self._handles:
+            fn = ct.torch_function()
+            self._handles[key] = self.service.create_custom_loss(fn, ct.input_ranks).result()
+        return self._handles[key]
+
+    def datums(self, ct: CompiledTerm, seqs: Sequence[Any], constants: Any, **kw: Any) -> list:
+        from tinker import types
+
+        from runner.tinker._convert import to_datums
+
+        data = to_datums(seqs, ct.fields, **kw)
+        shared = {
+            name: types.TensorData.from_numpy(np.asarray(constants[name], np.float32))
+            for name in ct.constants
+        }
+        for datum in data:
+            datum.loss_fn_inputs.update(shared)
+        return data
+
+    def compiled_for(self, term: Any, seqs: Sequence[Any]) -> CompiledTerm:
+        return compiled(term, _fields(seqs), _constant_names(term, seqs))
