@@ -10,6 +10,9 @@ it per datum inside the trainer's one forward + backward
 
 from __future__ import annotations
 
+import collections
+import hashlib
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,6 +27,22 @@ from runner.serve._graph import GraphError, Program, batch_inputs, compile_graph
 
 #: ``loss_fn`` of a forward_backward that runs an uploaded loss.
 CUSTOM = "custom"
+#: Validated programs by the digest of their request, so that sessions uploading the same loss
+#: (a resumed run, a second client) share its compiled functions; bounded, oldest out first.
+_PROGRAMS: collections.OrderedDict[str, Program] = collections.OrderedDict()
+_MAX_PROGRAMS = 64
+
+
+def _program(name: Any, inputs: list, graph: Any, max_nodes: int) -> Program:
+    body = {"name": name, "inputs": [i.model_dump() for i in inputs], "graph": graph.model_dump()}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+    program = _PROGRAMS.get(digest)
+    if program is None:
+        program = compile_graph(name, inputs, graph, max_nodes=max_nodes)
+        _PROGRAMS[digest] = program
+        while len(_PROGRAMS) > _MAX_PROGRAMS:
+            _PROGRAMS.popitem(last=False)
+    return program
 
 
 async def create_custom_loss(server: Server, request: web.Request) -> web.Response:
@@ -35,9 +54,7 @@ async def create_custom_loss(server: Server, request: web.Request) -> web.Respon
         fut = server.dedup[key]
         return json_response({"request_id": fut.request_id})
     try:
-        program = compile_graph(
-            req.name, list(req.inputs), req.graph, max_nodes=server.config.max_loss_nodes
-        )
+        program = _program(req.name, list(req.inputs), req.graph, server.config.max_loss_nodes)
     except GraphError as exc:
         raise user_error(f"create_custom_loss {req.name!r}: {exc}") from None
     loss_id = f"loss-{uuid.uuid4().hex[:16]}"
