@@ -367,9 +367,7 @@ def _rl_seqs(served, seed=0, n=6):
     return seqs
 
 
-def test_the_planner_runs_grpo_plus_echo_as_one_server_pass_equal_to_the_client_path(
-    served, cfg
-):
+def test_the_planner_runs_grpo_plus_echo_as_one_server_pass_equal_to_the_client_path(served, cfg):
     server_side, client_side = make_trainer(cfg), make_trainer(cfg)
     try:
         seqs = _rl_seqs(served, seed=3)
@@ -384,6 +382,12 @@ def test_the_planner_runs_grpo_plus_echo_as_one_server_pass_equal_to_the_client_
         params = [_served(served, t).params for t in (server_side, client_side)]
         for a, b in zip(jax.tree.leaves(params[0]), jax.tree.leaves(params[1]), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-6)
+        # A second session uploading the same loss shares its validated, compiled program.
+        StepRunner(TERM).step(client_side, seqs, ADAM)
+        programs = {
+            id(p) for _, p in served.server.custom_losses.values() if p.name == "foldloss_fold"
+        }
+        assert len(programs) == 1
         coupled = StepRunner(losses.fold(losses.clip_cov(), losses.echo_env(coef=0.2)))
         three = coupled.step(server_side, seqs, ADAM)
         assert three["plan/client"] == 1.0 and three["plan/reason/not_per_datum"] == 1.0
