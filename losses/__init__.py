@@ -18,6 +18,7 @@ from losses._batch import (
     FIELDS,
     NORMALIZER_FIELDS,
     Batch,
+    PerDatum,
     Term,
     Twin,
     UnknownFieldError,
@@ -50,6 +51,7 @@ from losses._distill import (
 from losses._env import ENV_NORMALIZATIONS, echo_env, echo_env_weights, observation_mask
 from losses._fold import fold
 from losses._grpo import grpo
+from losses._per_datum import per_datum_batch
 from losses._policy import (
     DIVERGENCES,
     cispo,
@@ -85,6 +87,7 @@ __all__ = [
     "TERMS",
     "TermInfo",
     "Batch",
+    "PerDatum",
     "DATA_FIELDS",
     "FIELDS",
     "MAX_LOGPROB",
@@ -139,6 +142,7 @@ __all__ = [
     "echo_env",
     "echo_env_weights",
     "fold",
+    "per_datum_batch",
     "gmpo",
     "discounted_returns",
     "gae",

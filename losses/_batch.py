@@ -370,6 +370,29 @@ class Twin:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class PerDatum:
+    """How a term decomposes into one loss per datum (row), summed (`Term.per_datum`).
+
+    A term with this capability satisfies, for every batch ``b`` and logprobs ``lp`` of ``B``
+    rows, ``term(lp, b) == Σ_i term(lp[i:i+1], c_i)`` where ``c_i`` is row ``i`` of
+    ``b.replace(**constants(b))`` (0-d fields are shared by every row). ``constants`` computes,
+    from the data of the whole batch, the 0-d fields the per-row losses need: the reduction's
+    normalizers (``num_rows``, ``num_action_tokens``, ``num_obs_tokens``; Dr. GRPO's constant is a
+    hyperparameter and needs nothing) and a batch-normalised correction's ``is_weight_mean``. A
+    runner computes them on the host, once per optimizer batch, and ships them with each datum
+    (a server-side custom loss: rank-0 inputs). Fields already set on ``b`` are kept.
+
+    Terms coupled across rows through the current logprobs (Clip-Cov's batch-wide covariance
+    selection, KL-Cov's top-k) have no such form: their ``per_datum`` is ``None``.
+
+    Attributes:
+      constants: ``batch -> {field: 0-d array}`` over `UNSLICED_FIELDS`.
+    """
+
+    constants: Callable[[Batch], Mapping[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Term:
     """A loss term: ``term(logprobs, batch) -> (loss, metrics)``, carrying its capabilities.
 
@@ -392,6 +415,9 @@ class Term:
         data alone (``L = Σ w·(-logp)``: ECHO, SFT and weighted cross-entropy), the function
         ``batch -> w[B, T]``; a runner can then run it as a server ``cross_entropy`` pass.
         ``None`` otherwise.
+      per_datum: the term's per-datum form (`PerDatum`): it is a sum of one loss per row given
+        batch constants the client computes from data, so a server can run it per datum
+        (a Tinker custom loss). ``None``: coupled across rows, or not declared.
       validate: host-side data rules specific to the term, ``(batch, logprobs) -> None``
         raising ``ValueError`` (preference pairs: an even row count, no empty completion);
         `check_batch` runs it when given ``term=``. ``None``: no rules beyond the generic ones.
@@ -412,6 +438,7 @@ class Term:
     requires: frozenset[str] = frozenset()
     twin: Twin | None = None
     data_weights: Callable[[Batch], Array] | None = None
+    per_datum: PerDatum | None = None
     validate: Callable[[Batch, Any], None] | None = None
     argument: str = "logprobs"
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from losses._batch import Batch, Term, check_logprobs_shape, count, reduction_reads
 from losses._common import check_choice, check_number, masked_mean, safe
+from losses._per_datum import NORMALIZED
 from losses._reductions import mask_total, num_rows
 
 ENV_NORMALIZATIONS = ("seq_mean_token_mean", "token_mean", "token_sum")
@@ -106,6 +107,7 @@ def echo_env(*, coef: float = 0.05, normalization: str = "seq_mean_token_mean") 
         is_zero=coef == 0.0,
         reads=frozenset({"obs_mask"}) | reduction_reads(normalization, "obs"),
         data_weights=data_weights,
+        per_datum=NORMALIZED,
     )
 
 

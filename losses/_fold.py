@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from losses._batch import Batch, Term
+from losses._per_datum import union
 
 
 def _name_of(term: Callable[..., Any]) -> str:
@@ -103,6 +104,7 @@ def fold(*terms: Any) -> Term:
             except ValueError as exc:
                 raise ValueError(f"fold term {name!r}: {exc}") from None
 
+    forms = [getattr(t, "per_datum", None) for _, t in frozen]
     return Term(
         name="fold",
         fn=loss_fn,
@@ -115,4 +117,6 @@ def fold(*terms: Any) -> Term:
         reads=None if any(r is None for r in declared) else frozenset().union(*declared),
         validate=validate if validators else None,
         argument=arguments.pop() if arguments else "logprobs",
+        # A sum of per-datum losses is one: the fold decomposes when every part does.
+        per_datum=None if any(f is None for f in forms) else union(forms),
     )

@@ -37,6 +37,7 @@ from losses._common import (
     safe,
 )
 from losses._correction import as_correction
+from losses._per_datum import with_correction
 from losses._reductions import term_weights, validate_reduction
 
 #: ``(*, logprobs, anchor, log_ratio, adv, valid) -> (ℓ[B, T], extra metrics)``.
@@ -71,6 +72,7 @@ def policy_term(
     accepts_correction: bool = True,
     pass_batch: bool = False,
     correction_to_per_token: bool = False,
+    per_datum: bool = True,
 ) -> Term:
     """Builds a policy `Term` from a per-token loss; shared by the whole policy family.
 
@@ -113,6 +115,9 @@ def policy_term(
       correction_to_per_token: pass the correction weights to ``per_token`` as
         ``correction=`` float[B, T] (ones without a correction) instead of multiplying ``ℓ`` by
         them (VESPO folds them into its sequence weight).
+      per_datum: ``per_token`` reads one row at a time, so the term is a sum of per-row losses
+        given the batch's normalizers (and ``is_weight_mean``): `Term.per_datum`. ``False`` for
+        terms coupled across rows through the logprobs (Clip-Cov, KL-Cov).
 
     The term reads ``action_mask``, ``advantages``, ``old_logprobs``, ``ref_logprobs`` (with
     KL), ``sampling_logprobs`` (with a correction) and the reduction's normalizers (`Term.reads`).
@@ -222,6 +227,7 @@ def policy_term(
         reads=reads,
         requires=frozenset(requires),
         twin=twin,
+        per_datum=with_correction(corr) if per_datum else None,
     )
 
 

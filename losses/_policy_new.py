@@ -36,6 +36,7 @@ from losses._common import (
     ppo_clip_terms,
 )
 from losses._correction import as_correction
+from losses._per_datum import NORMALIZED
 from losses._policy import _common_args, _frac, policy_term, ratio_bounds
 from losses._reductions import term_weights
 
@@ -265,6 +266,7 @@ def clip_cov(
         ),
         correction=correction,
         pass_batch=True,
+        per_datum=False,
     )
     return dataclasses.replace(term, validate=_check_rng_extra)
 
@@ -340,6 +342,8 @@ def kl_cov(
         max_log_ratio=mlr,
         config=dict(kl_cov_ratio=ratio, ppo_kl_coef=kappa),
         correction=correction,
+        # The top-k tokens are chosen over the whole batch, unless every token is penalised.
+        per_datum=ratio == 1.0,
     )
 
 
@@ -657,4 +661,5 @@ def kl_loss(
         is_zero=c == 0.0,
         reads=reads,
         requires=frozenset(requires),
+        per_datum=NORMALIZED,
     )

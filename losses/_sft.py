@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from losses._batch import Batch, Term, check_logprobs_shape, count, reduction_reads, require
 from losses._common import masked_mean, safe
+from losses._per_datum import NORMALIZED
 from losses._reductions import term_weights, validate_reduction
 
 
@@ -58,6 +59,7 @@ def sft_cross_entropy(*, reduction: str = "token_mean", max_tokens: float | None
         reads=reduction_reads(reduction, "action"),
         requires=frozenset({"action_mask"}),
         data_weights=data_weights,
+        per_datum=NORMALIZED,
     )
 
 
@@ -106,4 +108,5 @@ def weighted_cross_entropy() -> Term:
         requires=frozenset({"weights"}),
         twin=None,
         data_weights=data_weights,
+        per_datum=NORMALIZED,
     )

@@ -99,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
     for flag, default, what in SERVE_LIMITS.values():
         s.add_argument(flag, type=int, default=default, help=f"most {what} (default {default})")
     s.add_argument(
+        "--max-loss-nodes",
+        type=int,
+        default=4096,
+        help="the most nodes a custom-loss graph (create_custom_loss) may have (default 4096)",
+    )
+    s.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -121,6 +127,7 @@ def _serve(args) -> int:
             long_poll_s=args.long_poll_s,
             log_level=args.log_level,
             **{name: getattr(args, name) for name in SERVE_LIMITS},
+            max_loss_nodes=args.max_loss_nodes,
         )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

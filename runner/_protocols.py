@@ -138,6 +138,26 @@ class Closing(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class ServerSideLosses(Protocol):
+    """Runs a term that decomposes per datum (`losses.Term.per_datum`) as the server's own loss,
+    in one pass (1 forward + 1 backward): Tinker 0.38 custom losses (`runner.tinker`).
+
+    ``server_side_losses`` says whether the service advertises them (the SDK's client config);
+    ``server_loss_unsupported(term, seqs)`` is ``None`` when the term can run this way, else the
+    reason; ``forward_backward_term`` runs it, the gradient accumulating until ``optim_step``.
+    The step planner (`runner._step.plan_step`) checks the capability once per step.
+    """
+
+    server_side_losses: bool
+
+    def server_loss_unsupported(self, term: Any, seqs: Sequence[Seq]) -> str | None: ...
+
+    def forward_backward_term(
+        self, term: Any, seqs: Sequence[Seq], constants: Mapping[str, float]
+    ) -> ForwardBackwardResult: ...
+
+
 #: Capability (`Capabilities` field) name → its Protocol, in field order.
 PROTOCOLS: dict[str, type] = {
     "trainer": Trainer,

@@ -8,6 +8,12 @@ A *plan* says how one optimizer step's gradient is produced:
 * ``client`` — anything else (an ECHO term, KL, a custom term): one fused client pass of the whole
   term (`ClientLoss`: 1 forward + 1 forward/backward = 2F + 1B; 1F + 1B with a precomputed
   forward).
+* ``server`` — a term that decomposes per datum (`losses.Term.per_datum`: GRPO + ECHO, SFT, the
+  policy family) on a trainer whose service runs custom losses itself
+  (`runner._protocols.ServerSideLosses`: Tinker 0.38 custom-loss graphs, the local server): one
+  server pass, 1F + 1B, no round trip. A policy-only term with an exact builtin kernel still runs
+  on the kernel. When the server path is possible in principle but not taken, the metrics carry
+  ``plan/reason/<code>`` = 1 (`SERVER_REASONS`).
 * ``two_pass`` — on request only, the pre-fusion way: the builtin policy kernel plus one
   accumulated ``cross_entropy`` pass per data-weighted auxiliary term (``echo_env``,
   ``sft_cross_entropy``, ``weighted_cross_entropy``): 2F + 2B for one auxiliary term.
@@ -29,10 +35,18 @@ import numpy as np
 import losses
 from runner._client_loss import ClientLoss, PassCounter
 from runner._padding import CheckedSeqs, normalizers
-from runner._protocols import Trainer
+from runner._protocols import ServerSideLosses, Trainer
 from runner._types import AdamParams, Seq, validate_seqs
 
 MODES = ("auto", "client", "builtin", "two_pass")
+#: Why a step on a trainer with server-side losses did not run as one server pass
+#: (``plan/reason/<code>`` metrics).
+SERVER_REASONS = {
+    "not_advertised": "the service does not advertise server-side custom losses",
+    "not_per_datum": "the term is coupled across datums (no Term.per_datum)",
+    "no_server_form": "the term's per-datum program has no server-side form",
+    "forced": "a step mode other than auto",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +60,8 @@ class Plan:
     aux: tuple[tuple[str, Any], ...] = ()
     reason: str = ""
     all_targets_actions: bool = False
+    #: A `SERVER_REASONS` key when a server pass was possible in principle but not taken.
+    server_reason: str = ""
 
 
 def _parts(term: Any) -> list[tuple[str, Any]]:
@@ -127,6 +143,35 @@ def plan_step(term: Any, *, supported: Sequence[str], mode: str = "auto") -> Pla
     return Plan(path="client", reason=reason)
 
 
+def _server_plan(plan: Plan, term: Any, trainer: Any, seqs: Sequence[Seq], mode: str) -> Plan:
+    """``plan`` (a client plan) as a server pass where the trainer and the term allow it."""
+    if mode != "auto":
+        code = "forced"
+    elif not trainer.server_side_losses:
+        code = "not_advertised"
+    elif getattr(term, "per_datum", None) is None:
+        code = "not_per_datum"
+    else:
+        why = trainer.server_loss_unsupported(term, seqs)
+        if why is None:
+            return Plan(path="server", reason="the term decomposes per datum: one server pass")
+        code = "no_server_form"
+        plan = dataclasses.replace(plan, reason=f"{plan.reason}; {why}")
+    return dataclasses.replace(plan, server_reason=code)
+
+
+def datum_constants(term: Any, batch: losses.Batch) -> dict[str, float]:
+    """The batch constants every datum carries to a server-side loss (`losses.per_datum_batch`):
+    the normalizers and, for a batch-normalised correction, ``is_weight_mean``."""
+    full = losses.per_datum_batch(term, batch)
+    out = {}
+    for name in losses.NORMALIZER_FIELDS + ("kl_baseline", "is_weight_mean"):
+        value = getattr(full, name)
+        if value is not None:
+            out[name] = float(np.asarray(jax.device_get(value)))
+    return out
+
+
 def _builtin_inputs(plan: Plan, batch: losses.Batch) -> tuple[jax.Array, ...]:
     """The policy kernel's datum inputs and the auxiliary CE weights, as padded arrays.
 
@@ -190,8 +235,11 @@ class StepRunner:
         self.client = ClientLoss(term, dtype=dtype, **client_kw)
         self._prepare: dict[int, Any] = {}
 
-    def plan(self, trainer: Trainer) -> Plan:
-        return plan_step(self.term, supported=trainer.builtin_losses, mode=self.mode)
+    def plan(self, trainer: Trainer, seqs: Sequence[Seq] = ()) -> Plan:
+        plan = plan_step(self.term, supported=trainer.builtin_losses, mode=self.mode)
+        if not isinstance(trainer, ServerSideLosses) or plan.path != "client":
+            return plan
+        return _server_plan(plan, self.term, trainer, seqs, self.mode)
 
     def accumulate(
         self,
@@ -221,7 +269,7 @@ class StepRunner:
         validate_seqs(seqs, required=("action_mask",))
         if num_microbatches > len(seqs):
             raise ValueError(f"num_microbatches={num_microbatches} exceeds {len(seqs)} sequences")
-        plan = self.plan(trainer)
+        plan = self.plan(trainer, seqs)
         if plan.all_targets_actions and not all(np.all(s.inputs["action_mask"] > 0) for s in seqs):
             # e.g. the builtin dro applies its quadratic at every target: exact only if all are
             # actions.
@@ -246,6 +294,8 @@ class StepRunner:
                 value, metrics = self.client(
                     trainer, chunk, forward=fwd, norms=norms, counter=counter, checked=True
                 )
+            elif plan.path == "server":
+                value, metrics = self._server_pass(trainer, chunk, norms, counter)
             else:
                 value, metrics = self._policy_passes(plan, trainer, chunk, norms, counter)
             metrics["loss"] = value
@@ -254,7 +304,22 @@ class StepRunner:
         out = _combine(parts, sizes)
         out.update(counter.as_metrics())
         out[f"plan/{plan.path}"] = 1.0
+        if plan.server_reason:
+            out[f"plan/reason/{plan.server_reason}"] = 1.0
         return out
+
+    def _server_pass(self, trainer, chunk, norms, counter):
+        """One server pass of the term; its value and metrics from the logprobs the server
+        used (a value-only jitted call, no extra pass), as on the builtin path."""
+        batch = self.client.batch(chunk, norms)
+        if jax.device_get(losses.any_violation(batch)):
+            self.client.check(chunk, norms)  # raises, naming the entry
+        constants = datum_constants(self.term, batch)
+        result = trainer.forward_backward_term(self.term, chunk, constants)
+        counter.forward_backward()
+        value, metrics = self.client.value_and_metrics(result.logprobs, chunk, norms)
+        metrics["server_loss"] = float(result.metrics.get("loss:sum", float("nan")))
+        return value, metrics
 
     def _prepare_fn(self, plan: Plan):
         """The jitted kernel-input preparation of ``plan`` (with the batch's value check)."""

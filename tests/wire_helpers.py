@@ -199,8 +199,13 @@ def assert_same_metrics(
         for key in compared:
             if key in w:
                 assert g[key] == pytest.approx(w[key], rel=1e-6, abs=1e-7), (step, key)
+        # A hosted step may run as one server pass where the reference ran the fused client
+        # path (docs/server-side-losses.md): 1F + 1B per micro-batch instead of 2F + 1B.
+        server = g.get("plan/server") == 1.0 and w.get("plan/client") == 1.0
+        if server:
+            assert g["passes/forwards"] == g["passes/backwards"] == w["passes/backwards"], step
         for key in counted:
-            if key in w:
+            if key in w and not (server and key in ("plan/client", "passes/forwards")):
                 assert g[key] == w[key], (step, key)
 
 

@@ -526,6 +526,52 @@ class LocalTrainer:
             logprobs=RaggedArrays(lp, [s.num_targets for s in seqs]), metrics=out
         )
 
+    def forward_backward_logprob_loss(
+        self, seqs: Sequence[Seq], loss: Any, build: Any
+    ) -> ForwardBackwardResult:
+        """Runs a loss of the per-token logprobs that the caller supplies, in one pass.
+
+        1 forward + 1 backward, exactly like a built-in kernel: the model's jitted forward
+        returns ``(logprobs, pullback)``, ``loss`` (a jitted ``(lp[rows, width], data) ->
+        (loss, metrics, dL/dlp)``, one compile per bucket) runs on the padded logprobs, and the
+        pullback of its gradient is summed into the accumulator. The server's custom losses
+        (`runner.serve._graph`) run this way.
+
+        Args:
+          seqs: the sequences (their inputs are the loss's data).
+          loss: the jitted loss function.
+          build: ``(rows, width) -> data``, the loss's host data for this batch's bucket.
+
+        Returns:
+          `ForwardBackwardResult`: logprobs, ``loss:sum``, the loss's own metrics,
+          ``num_nonzero_grad_tokens:sum``, ``num_nonzero_grad_sequences:sum``,
+          ``num_sequences:sum``.
+        """
+        self._validate(seqs)
+        tokens, lengths, rows, width = self._pad(seqs)
+        data = jax.tree.map(self._put_rows, build(rows, width))
+        tokens, lengths = self._put_rows(tokens), self._put_rows(lengths)
+        acc = self._grads if self._grads is not None else self._zeros_fn(self._params)
+        lp, pullback = _model_vjp_jit(self.arch)(self._params, self._frozen, tokens, lengths)
+        value, metrics, g_lp = loss(lp, data)
+        self._grads = _backward_jit(self._rep)(pullback, g_lp.astype(lp.dtype), acc)
+        real = np.arange(width)[None, :] < (np.asarray(jax.device_get(lengths)) - 1)[:, None]
+        nz_B = ((np.asarray(jax.device_get(g_lp)) != 0) & real).sum(axis=1)[: len(seqs)]
+        n_tok, n_seq = int(nz_B.sum()), int((nz_B > 0).sum())
+        self._num_loss_tokens += n_tok
+        self._num_sequences += n_seq
+        self.counters["forward"] += 1
+        self.counters["backward"] += 1
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out["loss:sum"] = float(value)
+        out["num_nonzero_grad_tokens:sum"] = float(n_tok)
+        out["num_nonzero_grad_sequences:sum"] = float(n_seq)
+        out["num_sequences:sum"] = float(len(seqs))
+        lp = np.asarray(jax.device_get(lp), self._lp_dtype)
+        return ForwardBackwardResult(
+            logprobs=RaggedArrays(lp, [s.num_targets for s in seqs]), metrics=out
+        )
+
     # -- optim_step -------------------------------------------------------------------------
 
     def optim_step(self, adam: AdamParams, normalization: str | None = None) -> dict[str, float]:

@@ -229,6 +229,7 @@ def serve_forever(
     long_poll_s: float = 20.0,
     max_body_mb: float = 64.0,
     log_level: str = "info",
+    max_loss_nodes: int = 4096,
     **limits: int,
 ) -> int:
     """``python -m runner serve``: binds, prints the URL on one line, serves until SIGINT/TERM.
@@ -248,6 +249,7 @@ def serve_forever(
         long_poll_s=long_poll_s,
         max_body_bytes=int(max_body_mb * 1024 * 1024),
         prefixes=DEFAULT_PREFIXES,
+        max_loss_nodes=max_loss_nodes,
         **limits,  # `ServeConfig.max_samples` ... (the --max-* flags)
     )
     base_models = parse_model_flags(models)

@@ -581,6 +581,7 @@ class ServeConfig:
         per sampling request; tokens per sampling request (prompt + samples × max_tokens);
         sequences per forward / forward_backward; live sessions per API key; training models
         per API key. A request over one is a 400 naming the limit and its flag.
+      max_loss_nodes: the most nodes a custom-loss graph may have (``--max-loss-nodes``).
     """
 
     api_key: str
@@ -599,6 +600,7 @@ class ServeConfig:
     max_batch_rows: int = SERVE_LIMITS["max_batch_rows"][1]
     max_sessions: int = SERVE_LIMITS["max_sessions"][1]
     max_models: int = SERVE_LIMITS["max_models"][1]
+    max_loss_nodes: int = 4096
 
     def __post_init__(self) -> None:
         for key in (self.api_key, *self.extra_api_keys):
@@ -615,6 +617,8 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.long_poll_s must be in (0, 45), got {self.long_poll_s}")
         if self.max_body_bytes < 1024:
             raise ValueError("ServeConfig.max_body_bytes must be >= 1024")
+        if not 1 <= self.max_loss_nodes <= 1_000_000:
+            raise ValueError("ServeConfig.max_loss_nodes must be in [1, 1000000]")
 
     def __repr__(self) -> str:  # never print the key
         return f"ServeConfig(state_dir={self.state_dir!r}, long_poll_s={self.long_poll_s})"
@@ -649,6 +653,8 @@ class Server:
         self.counters: collections.Counter[str] = collections.Counter()
         #: Unordered requests already seen, by a flavour's key (a resubmission gets the future).
         self.dedup: BoundedMap = BoundedMap()
+        #: Custom losses by loss id: ``(session_id, runner.serve._graph.Program)``.
+        self.custom_losses: dict[str, tuple[str, Any]] = {}
         #: The sampling batcher (`runner.serve._engine.SampleBatcher`), built for this server.
         self.batcher = make_batcher(self) if make_batcher is not None else None
 

@@ -11,7 +11,7 @@ Checkpoints are ``tinker://<model_id>/weights/<name>`` (resumable state) and
 ``<session_id>:train:<model_seq_id>``, as the SDK derives it on create-via-load.
 
 What this flavour does not implement (a user error says so): image/audio chunks, targets that
-are not the next tokens, the ``custom`` and ``stable_reinforce`` losses, the Dimuon optimizer,
+are not the next tokens, the ``stable_reinforce`` loss, the Dimuon optimizer,
 stop strings (integer stop tokens are supported), ``top_k``/``top_p``, top-k or target prompt
 logprobs, prompt-alt tokens, ``prompt_logprobs_last_n``, stability recording, JWT auth,
 ``retrieve_futures``, sampling cancel, checkpoint TTLs and publishing.
@@ -42,6 +42,7 @@ from runner.serve._core import (
     retrieve,
     user_error,
 )
+from runner.serve._custom_loss import CUSTOM, create_custom_loss, program_for, run_custom
 from runner.serve._engine import CheckpointRef, LoraRequest, SampleJob, decode_seed
 
 #: ``tinker://`` path segment of each checkpoint kind, and back.
@@ -49,7 +50,7 @@ KIND_SEGMENT = {"state": "weights", "sampler": "sampler_weights"}
 SEGMENT_KIND = {v: k for k, v in KIND_SEGMENT.items()}
 #: ``/client/config`` flags a test or an operator may set (``ServeConfig.client_config``); the
 #: flags that need endpoints this server lacks (JWT auth, retrieve_futures, joined sampling
-#: sessions, server-side custom losses) are always off.
+#: sessions) are always off.
 CONFIGURABLE_FLAGS = (
     "use_pyqwest_transport",
     "parallel_fwdbwd_chunks",
@@ -62,8 +63,9 @@ _OFF_FLAGS = {
     "pjwt_auth_enabled": False,
     "sample_use_retrieve_futures": False,
     "sample_join_sampling_session": False,
-    "custom_loss_server_side": False,
 }
+#: Flags this server turns on: it stores and runs custom losses (`runner.serve._custom_loss`).
+_ON_FLAGS = {"custom_loss_server_side": True}
 _PROTO_DTYPES = {
     pb.DTYPE_FLOAT32: np.dtype(np.float32),
     pb.DTYPE_INT64: np.dtype(np.int64),
@@ -232,7 +234,7 @@ async def capabilities(server: Server, request: web.Request) -> web.Response:
 async def client_config(server: Server, request: web.Request) -> web.Response:
     await _parse(server, request, tt.ClientConfigRequest, "client/config")
     flags = {k: v for k, v in server.config.client_config.items() if k in CONFIGURABLE_FLAGS}
-    return json_response({**flags, **_OFF_FLAGS})
+    return json_response({**flags, **_OFF_FLAGS, **_ON_FLAGS})
 
 
 async def dynamic_config(server: Server, request: web.Request) -> web.Response:
@@ -367,6 +369,14 @@ async def forward_backward(server: Server, request: web.Request) -> web.Response
     except ServeError as err:  # consumes the seq_id in its turn: later requests still run
         return _ack(queue.submit(req.seq_id, kind, err), model_id=req.model_id)
     run = server.engine.forward if req.forward_only else server.engine.forward_backward
+    if loss_fn == CUSTOM and not req.forward_only:
+        try:
+            program = program_for(server, _session_of(req.model_id), config)
+        except ServeError as err:
+            return _ack(queue.submit(req.seq_id, kind, err), model_id=req.model_id)
+
+        def run(model, seqs, loss_fn, config):  # noqa: F811 - the custom loss's one pass
+            return run_custom(model, seqs, program)
 
     def job() -> Payload:
         logprobs, metrics = run(model, seqs, loss_fn, config)
@@ -668,7 +678,9 @@ class TinkerFlavour:
     """The tinker 0.38 SDK (`runner.serve._core.Flavour`): claims ``AsyncTinker/`` clients."""
 
     name = "tinker"
-    extra_routes: Mapping[str, tuple[str, str]] = {}
+    extra_routes: Mapping[str, tuple[str, str]] = {
+        "create_custom_loss": ("POST", "/api/v1/create_custom_loss")
+    }
     handlers = {
         "healthz": healthz,
         "get_server_capabilities": capabilities,
@@ -691,6 +703,7 @@ class TinkerFlavour:
         "get_sampler": get_sampler,
         "asample": asample,
         "unload_model": unload_model,
+        "create_custom_loss": create_custom_loss,
     }
 
     def claims(self, request: web.Request) -> bool:

@@ -52,6 +52,7 @@ from runner.tinker._convert import (
     output_logprobs,
     to_datums,
 )
+from runner.tinker._custom_loss import SessionLosses
 from runner.tinker._seeds import prompt_seed
 from runner.tinker._validate import api_key_from_env, validate_static
 
@@ -129,6 +130,7 @@ class TinkerTrainer:
         self._weights_version = 0
         self._failed = False
         self._closed = False
+        self._losses = SessionLosses(service)
 
     def __repr__(self) -> str:
         model_id = getattr(self.client, "model_id", None)
@@ -231,6 +233,38 @@ class TinkerTrainer:
         self.counters["forward_backward"] += 1
         return ForwardBackwardResult(
             logprobs=output_logprobs(out, seqs, required=False),
+            metrics=float_metrics(out.metrics),
+        )
+
+    # -- server-side custom losses (`runner._protocols.ServerSideLosses`) ----------------------
+
+    @property
+    def server_side_losses(self) -> bool:
+        """The service runs custom losses itself (``custom_loss_server_side``; needs torch)."""
+        return self._losses.advertised
+
+    def server_loss_unsupported(self, term: Any, seqs: Sequence[Seq]) -> str | None:
+        """``None`` if ``term`` compiles to a custom loss for these sequences' fields."""
+        return self._losses.unsupported(term, seqs)
+
+    def forward_backward_term(
+        self, term: Any, seqs: Sequence[Seq], constants: Mapping[str, float]
+    ) -> ForwardBackwardResult:
+        """One server pass of a per-datum term (`runner.tinker._custom_loss`): the loss is
+        created once per session (``create_custom_loss``), then ``forward_backward_custom(data,
+        handle)`` runs it on the server: 1 forward + 1 backward, the gradient accumulating."""
+        seqs = _as_list(seqs)
+        ct = self._losses.compiled_for(term, seqs)
+        handle = self._losses.handle(ct)
+        datums = self._losses.datums(
+            ct, seqs, constants, max_seq_len=self.max_seq_len, cache=self._model_inputs
+        )
+        out = self._result(
+            self.client.forward_backward_custom(datums, handle), "forward_backward_custom"
+        )
+        self.counters["forward_backward"] += 1
+        return ForwardBackwardResult(
+            logprobs=output_logprobs(out, seqs, required=True),
             metrics=float_metrics(out.metrics),
         )
 
