@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
         default=20.0,
         help="retrieve_future waits this long before answering try_again (default 20)",
     )
+    s.add_argument(  # test only (runner.serve.ServeConfig.test_cross_entropy): not in --help
+        "--test-cross-entropy", default="", choices=("", "skyrl"), help=argparse.SUPPRESS
+    )
     s.add_argument(
         "--log-level",
         default="info",
@@ -108,6 +111,7 @@ def _serve(args) -> int:
             state_dir=args.state_dir,
             long_poll_s=args.long_poll_s,
             log_level=args.log_level,
+            test_cross_entropy=args.test_cross_entropy,
         )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -107,6 +107,7 @@ def make_server(config: ServeConfig, base_models: Mapping[str, BaseModel]) -> Se
     else:
         flavours.append(FireworksFlavour(config.state_dir))
     engine = Engine(base_models, config.state_dir)
+    engine.cross_entropy_mode = config.test_cross_entropy
     return Server(
         config,
         engine,
@@ -228,6 +229,7 @@ def serve_forever(
     long_poll_s: float = 20.0,
     max_body_mb: float = 64.0,
     log_level: str = "info",
+    test_cross_entropy: str = "",
 ) -> int:
     """``python -m runner serve``: binds, prints the URL on one line, serves until SIGINT/TERM.
 
@@ -246,6 +248,7 @@ def serve_forever(
         long_poll_s=long_poll_s,
         max_body_bytes=int(max_body_mb * 1024 * 1024),
         prefixes=DEFAULT_PREFIXES,
+        test_cross_entropy=test_cross_entropy,
     )
     base_models = parse_model_flags(models)
     if host not in LOOPBACK:

@@ -570,6 +570,10 @@ class ServeConfig:
     sample_incomplete_quiet_s: float = 0.1
     sample_max_wait_s: float = 1.0
     workers: int = 4
+    #: Test only: ``"skyrl"`` makes ``cross_entropy`` normalise as SkyRL tx's does (each datum's
+    #: loss ÷ ``max(Σw, 1e-9)``, mean over datums; no ``loss:sum``), so that tests can check that
+    #: the runner refuses such a server (`runner._semantics`). ``""``: ``Σ −w·logp``.
+    test_cross_entropy: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.api_key, str) or not self.api_key.strip():

@@ -10,7 +10,7 @@ reduction into the per-token weights and always sends ``"none"``).
 
 Sampling goes through the SDK's ``SamplingClient`` of the current weights
 (``save_weights_and_get_sampling_client``, once per weights version); prompt ``i`` of a call
-samples with ``seed = prompt_seed(seed, i)`` and the integer stop tokens are passed through.
+samples with the int32 ``seed = prompt_seed(seed, i, num_samples)`` and the integer stop tokens are passed through.
 
 Checkpoints: `save_resumable` saves the state (``tinker://<run>/weights/<name>``) and resolves its
 identity in the run's checkpoint listing (its creation time); `save_promotable` saves sampler
@@ -41,6 +41,13 @@ from runner._hosted import check_sample_args, float_metrics
 from runner._hosted import to_sample as _to_sample
 from runner._net import probe
 from runner._padding import CheckedSeqs
+from runner._semantics import (
+    PROBE_ADAM,
+    SemanticsError,
+    check_reported_loss,
+    probe_seqs,
+    probe_verdict,
+)
 from runner._types import AdamParams, ForwardBackwardResult, Sample, Seq
 from runner.checkpoints import CheckpointError
 from runner.tinker._convert import (
@@ -82,6 +89,10 @@ class TinkerTrainer:
       request_timeout_s: how long to wait for any one result.
       close_timeout_s: how long `close` waits for the session to finish.
       builtin_losses: the kernels the step planner may use (default `BUILTIN_LOSSES`).
+      verify: check the server's ``cross_entropy`` semantics (`runner._semantics`): every
+        ``cross_entropy`` call whose ``loss:sum`` and logprobs come back, and, the first time
+        one comes back without ``loss:sum``, the probe on a scratch client (``lora_rank``).
+      lora_rank: the scratch client's LoRA rank.
 
     Attributes:
       builtin_losses: kernel names for `runner.plan_step`.
@@ -101,6 +112,8 @@ class TinkerTrainer:
         request_timeout_s: float = 3600.0,
         close_timeout_s: float = 5.0,
         builtin_losses: Sequence[str] | None = None,
+        verify: bool = True,
+        lora_rank: int = 8,
     ) -> None:
         if not isinstance(base_model, str) or not base_model.strip():
             raise ValueError("TinkerTrainer: base_model is required")
@@ -128,6 +141,9 @@ class TinkerTrainer:
         self._weights_version = 0
         self._failed = False
         self._closed = False
+        self.verify = bool(verify)
+        self.lora_rank = int(lora_rank)
+        self._probed = False
 
     def __repr__(self) -> str:
         model_id = getattr(self.client, "model_id", None)
@@ -219,10 +235,47 @@ class TinkerTrainer:
         future = self.client.forward_backward(datums, loss_name, cfg or None)
         out = self._result(future, f"forward_backward({loss_name})")
         self.counters["forward_backward"] += 1
-        return ForwardBackwardResult(
+        result = ForwardBackwardResult(
             logprobs=output_logprobs(out, seqs, required=False),
             metrics=float_metrics(out.metrics),
         )
+        if loss_name == "cross_entropy" and self.verify:
+            try:
+                checked = check_reported_loss(_as_list(seqs), result.logprobs, result.metrics)
+            except SemanticsError as exc:
+                raise self._error(str(exc)) from None
+            if not checked:
+                self._probe_cross_entropy()
+        return result
+
+    def _probe_cross_entropy(self) -> None:
+        """Once: the ``cross_entropy`` probe of `runner._semantics` on a scratch LoRA client of
+        the same base model (the trained model untouched; before any ``optim_step`` of it)."""
+        if self._probed or self.service is None:
+            return
+        self._probed = True
+        future = self.service.create_lora_training_client(
+            self.base_model, rank=self.lora_rank, seed=0, train_unembed=False
+        )
+        scratch = TinkerTrainer(
+            self._result(future, "cross_entropy probe: a scratch training client"),
+            base_model=self.base_model,
+            base_url=self.base_url,
+            request_timeout_s=self.request_timeout_s,
+            verify=False,
+        )
+        cancel, control = probe_seqs()
+        before = scratch.forward(cancel[:1])[0]
+        scratch.forward_backward(cancel, "cross_entropy")
+        scratch.optim_step(PROBE_ADAM)
+        mid = scratch.forward(cancel[:1])[0]
+        scratch.forward_backward(control, "cross_entropy")
+        scratch.optim_step(PROBE_ADAM)
+        after = scratch.forward(cancel[:1])[0]
+        try:
+            probe_verdict(before, mid, after)
+        except SemanticsError as exc:
+            raise self._error(str(exc)) from None
 
     def optim_step(self, adam: AdamParams, normalization: str | None = None) -> dict[str, float]:
         """One Adam(W) step on the accumulated gradient (``torch.optim.AdamW`` semantics).
@@ -275,7 +328,7 @@ class TinkerTrainer:
         """``num_samples`` completions per prompt at the current weights.
 
         Every prompt is submitted (the last one first) before any result is awaited; prompt
-        ``i`` samples with ``seed = prompt_seed(seed, i)``; ``stop_token_ids`` go to the service as integer stop
+        ``i`` samples with ``seed = prompt_seed(seed, i, num_samples)`` (an int32, `runner._seeds`); ``stop_token_ids`` go to the service as integer stop
         tokens (an empty list: no stop token, not even an implicit EOS), and each completion is
         also cut after its first stop token (kept, ``stop_reason="stop"``) in case a service
         generates past it.
@@ -294,7 +347,7 @@ class TinkerTrainer:
             params = types.SamplingParams(
                 max_tokens=max_tokens,
                 temperature=float(temperature),
-                seed=prompt_seed(seed, i),
+                seed=prompt_seed(seed, i, num_samples),
                 stop=list(stops),
             )
             prompt = types.ModelInput.from_ints(arrays[i].tolist())
@@ -571,4 +624,5 @@ def make_trainer(cfg: Any, run_dir: Path | str | None = None) -> TinkerTrainer:
         base_url=t.base_url,
         max_seq_len=cfg.model.max_seq_len,
         request_timeout_s=t.request_timeout_s,
+        lora_rank=t.lora_rank,
     )
