@@ -8,15 +8,20 @@ gradient, silently. Two checks (no SDK import here; the backend runs the calls):
 
 * **per call** (`check_reported_loss`): where the server reports ``loss:sum`` and logprobs, the
   reported loss must equal ``Σ −w·logp`` of the returned logprobs;
-* **once per run, where the server reports no ``loss:sum``** (`PROBE`): on a *scratch* training
-  client of the same base model (the trained model is untouched), one ``cross_entropy`` call on
-  three copies of one sequence with weights ``(a, b)``, ``(−a, 0)``, ``(0, −b)`` on two target
-  tokens, then one Adam step with ``eps = 1`` (so a tiny gradient makes a tiny step). On a
-  conforming server the three datums' gradients cancel (the step moves nothing: the logprobs
-  change by rounding only); a server that normalises each sequence (by ``Σw``, ``Σ|w|`` or its
-  token count) leaves a gradient and the step moves the logprobs. A second step on the first
-  datum alone must move them (the probe can see a step at all). A uniform scale of the whole
-  call (e.g. ÷ the number of datums) is not detected: Adam's update is scale-free.
+* **once per run and kernel, where the server reports no ``loss:sum``** (`probe_seqs`,
+  `probe_verdict`): on a *scratch* training client of the same base model (the trained model is
+  untouched), one call of the kernel on three prefixes of one token sequence, of three lengths,
+  with signals ``(a, b)``, ``(−a, 0)``, ``(0, −b)`` on the same two target tokens (``weights``
+  for ``cross_entropy``; per-token ``advantages`` at the current logprobs, on-policy, for the
+  policy kernels whose on-policy gradient is ``−Σ A·∇logp``: ``PROBED``), then one Adam step
+  with ``eps = 1`` (a tiny gradient makes a tiny step) and ``beta1 = 0`` (no momentum from the
+  scratch client's earlier steps). On a conforming server the three datums'
+  gradients cancel (a causal model's logprob of a target depends on its prefix only), so the
+  step moves nothing: the logprobs change by rounding only. A server that normalises each
+  sequence (by ``Σw``, ``Σ|w|`` or its token count, as SkyRL tx does for every kernel) leaves a
+  gradient and the step moves the logprobs. A second step on the first datum alone must move
+  them (the probe sees a step at all). A uniform scale of the whole call (e.g. ÷ the number of
+  datums) is not detected: Adam's update does not depend on it.
 """
 
 from __future__ import annotations
@@ -31,12 +36,22 @@ from runner._types import AdamParams, Seq
 RTOL = 1e-3
 #: A probe step that moves a logprob by more than this moved the model.
 MOVED = 1e-4
-#: The probe's sequence (token ids below 8: inside any vocabulary) and its two weights.
-PROBE_TOKENS = (1, 2, 3, 4, 5)
-PROBE_WEIGHTS = (0.75, 0.5)
+#: The probe's token sequence (ids below 8: inside any vocabulary), the lengths of its three
+#: prefixes, the two signal positions (targets) and the signals.
+PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 7, 1, 2)
+PROBE_LENGTHS = (6, 9, 7)
+PROBE_POSITIONS = (1, 3)
+PROBE_SIGNALS = (0.75, 0.5)
 PROBE_ADAM = AdamParams(
-    learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1.0, weight_decay=0.0, grad_clip_norm=0.0
+    learning_rate=1e-2, beta1=0.0, beta2=0.95, eps=1.0, weight_decay=0.0, grad_clip_norm=0.0
 )
+#: The kernels the probe can check, and the input that carries its signal.
+PROBED = {
+    "cross_entropy": "weights",
+    "importance_sampling": "advantages",
+    "ppo": "advantages",
+    "cispo": "advantages",
+}
 
 
 class SemanticsError(ValueError):
@@ -69,41 +84,56 @@ def check_reported_loss(seqs: Sequence[Seq], logprobs: Sequence[np.ndarray], met
     )
     if not abs(got - want) <= RTOL * scale + 1e-5:
         raise SemanticsError(
-            f"cross_entropy is not the weighted token sum the runner needs: expected "
+            f"cross_entropy is not the token sum the runner needs: expected "
             f"loss:sum = Σ −w·logp = {want:.6g} (from the logprobs it returned), the server "
             f"computed {got:.6g}; refusing to train on a differently normalised gradient"
         )
     return True
 
 
-def probe_seqs() -> tuple[list[Seq], list[Seq]]:
-    """``(cancelling datums, one datum)`` of the probe (see the module docstring)."""
+def probe_seqs(kernel: str) -> tuple[list[Seq], list[Seq]]:
+    """``(cancelling datums, the control datum)`` of ``kernel``'s probe, without the current
+    ``logprobs`` that a policy kernel also needs (`with_logprobs`)."""
+    name = PROBED[kernel]
     tokens = np.asarray(PROBE_TOKENS, np.int64)
-    n = len(tokens) - 1
-    a, b = PROBE_WEIGHTS
+    (i, j), (a, b) = PROBE_POSITIONS, PROBE_SIGNALS
 
-    def seq(w1: float, w2: float) -> Seq:
-        w = np.zeros(n)
-        w[1], w[3] = w1, w2
-        return Seq(tokens, {"weights": w})
+    def seq(length: int, si: float, sj: float) -> Seq:
+        signal = np.zeros(length - 1)
+        signal[i], signal[j] = si, sj
+        return Seq(tokens[:length], {name: signal})
 
-    return [seq(a, b), seq(-a, 0.0), seq(0.0, -b)], [seq(a, b)]
+    n1, n2, n3 = PROBE_LENGTHS
+    return [seq(n1, a, b), seq(n2, -a, 0.0), seq(n3, 0.0, -b)], [seq(n1, a, b)]
 
 
-def probe_verdict(before: np.ndarray, after_cancel: np.ndarray, after_control: np.ndarray) -> None:
+def with_logprobs(seqs: Sequence[Seq], logprobs: Sequence[np.ndarray], kernel: str) -> list[Seq]:
+    """The probe datums of a policy kernel with their current logprobs (ratio 1); unchanged for
+    ``cross_entropy``."""
+    if PROBED[kernel] == "weights":
+        return list(seqs)
+    return [
+        s.with_inputs(**s.inputs, logprobs=np.asarray(lp, np.float64))
+        for s, lp in zip(seqs, logprobs, strict=True)
+    ]
+
+
+def probe_verdict(
+    kernel: str, before: np.ndarray, after_cancel: np.ndarray, after_control: np.ndarray
+) -> None:
     """Raises `SemanticsError` unless the cancelling step moved nothing and the control did."""
     cancel = float(np.max(np.abs(np.asarray(after_cancel, np.float64) - before)))
     control = float(np.max(np.abs(np.asarray(after_control, np.float64) - after_cancel)))
     if cancel > MOVED:
         raise SemanticsError(
-            f"cross_entropy is not the weighted token sum the runner needs: datums "
-            f"with weights (a, b), (−a, 0), (0, −b) must have gradients that cancel (expected "
+            f"{kernel} is not the token sum the runner needs: datums with "
+            f"{PROBED[kernel]} (a, b), (−a, 0), (0, −b) must have gradients that cancel (expected "
             f"no change of the logprobs after a step), the server's step moved them by "
             f"{cancel:.3g} (it normalises each sequence, e.g. by max(Σw, 1e-9)); refusing to "
             "train on a differently normalised gradient"
         )
     if control <= MOVED:
         raise SemanticsError(
-            f"cannot verify cross_entropy: a training step on a scratch client moved "
+            f"cannot verify {kernel}: a training step on a scratch client moved "
             f"no logprob (by {control:.3g}); refusing to train on an unverified server"
         )

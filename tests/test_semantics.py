@@ -7,6 +7,7 @@ by the real tinker SDK over loopback; the conforming one is the same server in i
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 
@@ -17,7 +18,7 @@ pytest.importorskip("tinker")
 pytest.importorskip("aiohttp")
 
 from runner import __main__ as cli  # noqa: E402
-from runner._semantics import SemanticsError, check_reported_loss, probe_seqs  # noqa: E402
+from runner._semantics import PROBED, SemanticsError, check_reported_loss, probe_seqs  # noqa: E402
 from runner._types import ForwardBackwardResult, Seq  # noqa: E402
 from runner.config import load_config  # noqa: E402
 from runner.serve import ServeConfig, ServerThread, parse_model_flags  # noqa: E402
@@ -74,14 +75,15 @@ def test_a_conforming_server_passes_and_a_skyrl_server_stops_before_any_step(ser
             result = trainer.forward_backward(seqs, "cross_entropy")
             assert check_reported_loss(seqs, result.logprobs, result.metrics)  # checked per call
             assert not trainer._probed  # loss:sum came back: no probe needed
-            trainer._probe_cross_entropy()  # the probe passes on a conforming server too
-            assert trainer._probed
+            for kernel in PROBED:  # every probe passes on a conforming server
+                trainer.probe(kernel)
+            assert trainer._probed == set(PROBED)
         else:
             with pytest.raises(TinkerRequestError) as info:
                 trainer.forward_backward(seqs, "cross_entropy")
             line = str(info.value)
             assert "\n" not in line and st.url in line
-            assert "cross_entropy is not the weighted token sum" in line
+            assert "cross_entropy is not the token sum" in line
             assert "expected no change of the logprobs" in line and "moved them by" in line
         assert trainer.counters["optim_step"] == 0  # the trained model never stepped
         # the probe trained a scratch model only: the trained one is at its initial weights
@@ -90,18 +92,34 @@ def test_a_conforming_server_passes_and_a_skyrl_server_stops_before_any_step(ser
         trainer.close()
 
 
-def test_sft_against_a_skyrl_server_prints_one_error_line(served, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "command, sets, kernel",
+    [
+        ("sft", [], "cross_entropy"),  # SFT
+        ("train", ["sft.steps=0"], "cross_entropy"),  # GRPO + ECHO: the fused client path
+        ("train", ["sft.steps=0", "rl.env_coef=0.0"], "ppo"),  # plain GRPO: the builtin kernel
+    ],
+)
+def test_the_main_job_against_a_skyrl_server_stops_in_one_line_before_any_step(
+    served, tmp_path, monkeypatch, capsys, command, sets, kernel
+):
     mode, st = served
     if mode != "skyrl":
         pytest.skip("the refusal is the skyrl server's")
     monkeypatch.setenv(KEY_ENV, KEY)
-    args = ["sft", "--config", str(TINY), "--output-dir", str(tmp_path), "--no-progress"]
-    for o in _overrides(st.url):
+    args = [command, "--config", str(TINY), "--output-dir", str(tmp_path), "--no-progress"]
+    for o in [*_overrides(st.url), *sets]:
         args += ["--set", o]
     capsys.readouterr()
     assert cli.main(args) == 2
     line = one_error_line(capsys.readouterr().err)
-    assert "cross_entropy is not the weighted token sum" in line and st.url in line
+    assert f"{kernel} is not the" in line and st.url in line
+    records = [
+        json.loads(line)
+        for p in tmp_path.rglob("metrics.jsonl")
+        for line in p.read_text().splitlines()
+    ]
+    assert all(r["phase"] == "eval" for r in records)  # the initial evaluation, no step
 
 
 def _reported(seqs, logprobs, scale):
@@ -120,15 +138,23 @@ def test_the_per_call_check_catches_another_normalisation():
         check_reported_loss(seqs, lps, _reported(seqs, lps, 1.0 / len(seqs)))
 
 
-def test_the_probe_datums_cancel_under_the_sum_and_not_per_sequence():
-    cancel, control = probe_seqs()
-    w = np.stack([s.inputs["weights"] for s in cancel])
+@pytest.mark.parametrize("kernel", sorted(PROBED))
+def test_the_probe_datums_cancel_under_the_sum_and_not_per_sequence(kernel):
+    cancel, control = probe_seqs(kernel)
+    name = PROBED[kernel]
+    n = max(s.num_targets for s in cancel)
+    w = np.stack([np.pad(s.inputs[name], (0, n - s.num_targets)) for s in cancel])
+    lengths = np.array([[s.num_targets] for s in cancel])
+    assert len(set(lengths.ravel())) == len(cancel)  # three lengths
+    # the signals sit on targets every prefix has, so their logprobs (and gradients) are shared
+    assert not np.any(w[:, min(lengths.ravel()) :])
     np.testing.assert_array_equal(w.sum(axis=0), 0.0)  # Σ −w·logp: zero gradient
     per_seq = w / np.maximum(w.sum(axis=1, keepdims=True), 1e-9) / len(cancel)
-    assert np.abs(per_seq.sum(axis=0)).max() > 1.0  # SkyRL's normalisation: none cancel
-    by_count = w / (w != 0).sum(axis=1, keepdims=True)
-    assert np.abs(by_count.sum(axis=0)).max() > 0.1  # a per-sequence token mean: neither
-    assert control[0].inputs["weights"].sum() > 0
+    assert np.abs(per_seq.sum(axis=0)).max() > 1.0  # SkyRL's cross_entropy: none cancel
+    by_count = w / lengths  # SkyRL's policy kernels (weights = 1): a per-sequence token mean
+    assert np.abs(by_count.sum(axis=0)).max() > 0.01
+    assert np.abs((w / np.abs(w).sum(axis=1, keepdims=True)).sum(axis=0)).max() > 0.1
+    assert control[0].inputs[name].sum() > 0
 
 
 def test_sft_nll_falls_back_to_the_returned_logprobs():

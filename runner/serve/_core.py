@@ -570,9 +570,10 @@ class ServeConfig:
     sample_incomplete_quiet_s: float = 0.1
     sample_max_wait_s: float = 1.0
     workers: int = 4
-    #: Test only: ``"skyrl"`` makes ``cross_entropy`` normalise as SkyRL tx's does (each datum's
-    #: loss ÷ ``max(Σw, 1e-9)``, mean over datums; no ``loss:sum``), so that tests can check that
-    #: the runner refuses such a server (`runner._semantics`). ``""``: ``Σ −w·logp``.
+    #: Test only: ``"skyrl"`` makes ``forward_backward`` normalise as SkyRL tx's does (each
+    #: datum's loss ÷ ``max(Σw, 1e-9)``, ``w`` = its weights, all ones for the policy kernels;
+    #: mean over datums; no ``loss:sum``), so that tests can check that the runner refuses such
+    #: a server (`runner._semantics`). ``""``: our kernels' token sums.
     test_cross_entropy: str = ""
 
     def __post_init__(self) -> None:

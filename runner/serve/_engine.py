@@ -641,25 +641,12 @@ class Engine:
     def forward_backward(
         self, model: TrainingModel, seqs: Sequence[Seq], loss_fn: str, config: Any
     ) -> tuple[list[np.ndarray], dict[str, float]]:
-        if self.cross_entropy_mode == "skyrl" and loss_fn == "cross_entropy":
-            return self._skyrl_cross_entropy(model, seqs)
+        if self.cross_entropy_mode == "skyrl":
+            seqs = _skyrl_normalised(seqs, loss_fn)
         result = model.trainer.forward_backward(seqs, loss_fn, config)  # (its own input rules)
-        return list(result.logprobs), dict(result.metrics)
-
-    @staticmethod
-    def _skyrl_cross_entropy(model: TrainingModel, seqs: Sequence[Seq]):
-        """Test only: SkyRL tx's ``cross_entropy`` (each datum's ``Σ −w·logp`` ÷
-        ``max(Σw, 1e-9)``, mean over datums), without ``loss:sum`` as SkyRL reports none."""
-        scaled = [
-            s.with_inputs(
-                weights=np.asarray(s.inputs["weights"], np.float64)
-                / max(float(np.sum(s.inputs["weights"])), 1e-9)
-                / len(seqs)
-            )
-            for s in seqs
-        ]
-        result = model.trainer.forward_backward(scaled, "cross_entropy")
-        metrics = {k: v for k, v in result.metrics.items() if k != "loss:sum"}
+        metrics = dict(result.metrics)
+        if self.cross_entropy_mode == "skyrl":
+            metrics.pop("loss:sum", None)  # SkyRL tx reports none
         return list(result.logprobs), metrics
 
     def forward(
@@ -786,6 +773,23 @@ class Engine:
     def close(self) -> None:
         self.models.clear()
         self.samplers.clear()
+
+
+def _skyrl_normalised(seqs: Sequence[Seq], loss_fn: str) -> list[Seq]:
+    """Test only (`ServeConfig.test_cross_entropy`): the datums that give SkyRL tx's loss from
+    our token-sum kernels. SkyRL divides each datum's token-sum loss by ``max(Σw, 1e-9)`` (its
+    ``weights``; all ones for the policy kernels, which get none) and averages over datums; our
+    kernels are linear in ``weights`` / ``advantages``, so that scale is folded into them."""
+    out = []
+    for s in seqs:
+        inputs = dict(s.inputs)
+        if loss_fn == "cross_entropy":
+            w = np.asarray(inputs["weights"], np.float64)
+            inputs["weights"] = w / max(float(w.sum()), 1e-9) / len(seqs)
+        elif "advantages" in inputs:
+            inputs["advantages"] = np.asarray(inputs["advantages"]) / s.num_targets / len(seqs)
+        out.append(Seq(s.tokens, inputs))
+    return out
 
 
 def _sampler_file(sampler: Path, name: str) -> Path:

@@ -43,10 +43,12 @@ from runner._net import probe
 from runner._padding import CheckedSeqs
 from runner._semantics import (
     PROBE_ADAM,
+    PROBED,
     SemanticsError,
     check_reported_loss,
     probe_seqs,
     probe_verdict,
+    with_logprobs,
 )
 from runner._types import AdamParams, ForwardBackwardResult, Sample, Seq
 from runner.checkpoints import CheckpointError
@@ -89,9 +91,10 @@ class TinkerTrainer:
       request_timeout_s: how long to wait for any one result.
       close_timeout_s: how long `close` waits for the session to finish.
       builtin_losses: the kernels the step planner may use (default `BUILTIN_LOSSES`).
-      verify: check the server's ``cross_entropy`` semantics (`runner._semantics`): every
-        ``cross_entropy`` call whose ``loss:sum`` and logprobs come back, and, the first time
-        one comes back without ``loss:sum``, the probe on a scratch client (``lora_rank``).
+      verify: check the server's loss semantics (`runner._semantics`): every ``cross_entropy``
+        call whose ``loss:sum`` and logprobs come back; and, the first time a kernel's call
+        comes back without ``loss:sum``, that kernel's probe on a scratch client of
+        ``lora_rank`` (before any ``optim_step``).
       lora_rank: the scratch client's LoRA rank.
 
     Attributes:
@@ -143,7 +146,8 @@ class TinkerTrainer:
         self._closed = False
         self.verify = bool(verify)
         self.lora_rank = int(lora_rank)
-        self._probed = False
+        self._probed: set[str] = set()
+        self._scratch: TinkerTrainer | None = None
 
     def __repr__(self) -> str:
         model_id = getattr(self.client, "model_id", None)
@@ -239,41 +243,65 @@ class TinkerTrainer:
             logprobs=output_logprobs(out, seqs, required=False),
             metrics=float_metrics(out.metrics),
         )
-        if loss_name == "cross_entropy" and self.verify:
-            try:
-                checked = check_reported_loss(_as_list(seqs), result.logprobs, result.metrics)
-            except SemanticsError as exc:
-                raise self._error(str(exc)) from None
-            if not checked:
-                self._probe_cross_entropy()
+        if self.verify:
+            self._verify(loss_name, _as_list(seqs), result)
         return result
 
-    def _probe_cross_entropy(self) -> None:
-        """Once: the ``cross_entropy`` probe of `runner._semantics` on a scratch LoRA client of
-        the same base model (the trained model untouched; before any ``optim_step`` of it)."""
-        if self._probed or self.service is None:
-            return
-        self._probed = True
-        future = self.service.create_lora_training_client(
-            self.base_model, rank=self.lora_rank, seed=0, train_unembed=False
-        )
-        scratch = TinkerTrainer(
-            self._result(future, "cross_entropy probe: a scratch training client"),
-            base_model=self.base_model,
-            base_url=self.base_url,
-            request_timeout_s=self.request_timeout_s,
-            verify=False,
-        )
-        cancel, control = probe_seqs()
-        before = scratch.forward(cancel[:1])[0]
-        scratch.forward_backward(cancel, "cross_entropy")
-        scratch.optim_step(PROBE_ADAM)
-        mid = scratch.forward(cancel[:1])[0]
-        scratch.forward_backward(control, "cross_entropy")
-        scratch.optim_step(PROBE_ADAM)
-        after = scratch.forward(cancel[:1])[0]
+    def _verify(self, loss_name: str, seqs: list[Seq], result: ForwardBackwardResult) -> None:
+        """The per-call check of ``cross_entropy``, else (no ``loss:sum``) the kernel's probe."""
         try:
-            probe_verdict(before, mid, after)
+            if loss_name == "cross_entropy" and check_reported_loss(
+                seqs, result.logprobs, result.metrics
+            ):
+                return
+        except SemanticsError as exc:
+            raise self._error(str(exc)) from None
+        if "loss:sum" in result.metrics and loss_name != "cross_entropy":
+            return  # a reported kernel loss: the kernel table's semantics (docs/tinker.md)
+        if loss_name not in PROBED:
+            raise self._error(
+                f"forward_backward({loss_name}) returned no loss:sum and {loss_name}'s "
+                f"normalisation cannot be probed (only {sorted(PROBED)}): refusing to train on "
+                "an unverified gradient ([rl].mode = 'client' sends cross_entropy instead)"
+            )
+        self.probe(loss_name)
+
+    def probe(self, loss_name: str) -> None:
+        """Once per kernel: its probe (`runner._semantics`) on a scratch LoRA client of the same
+        base model; the trained model is untouched (call it before its ``optim_step``).
+
+        Raises:
+          TinkerRequestError: one line naming the service, what was expected and what it did.
+        """
+        if loss_name in self._probed or self.service is None:
+            return
+        self._probed.add(loss_name)
+        if self._scratch is None:
+            future = _submit(
+                self.service.create_lora_training_client,
+                self.base_model,
+                rank=self.lora_rank,
+                seed=0,
+                train_unembed=False,
+            )
+            self._scratch = TinkerTrainer(
+                self._result(future, f"{loss_name} probe: a scratch training client"),
+                base_model=self.base_model,
+                base_url=self.base_url,
+                request_timeout_s=self.request_timeout_s,
+                verify=False,
+            )
+        scratch = self._scratch
+        cancel, control = probe_seqs(loss_name)
+        before = scratch.forward(cancel)
+        scratch.forward_backward(with_logprobs(cancel, before, loss_name), loss_name)
+        scratch.optim_step(PROBE_ADAM)
+        mid = scratch.forward(cancel)
+        scratch.forward_backward(with_logprobs(control, mid[:1], loss_name), loss_name)
+        scratch.optim_step(PROBE_ADAM)
+        after = scratch.forward(cancel[:1])
+        try:
+            probe_verdict(loss_name, before[0], mid[0], after[0])
         except SemanticsError as exc:
             raise self._error(str(exc)) from None
 
@@ -309,7 +337,7 @@ class TinkerTrainer:
     def _current_sampler(self) -> Any:
         with self._lock:
             if self._sampler is None or self._sampler_version != self._weights_version:
-                future = self.client.save_weights_and_get_sampling_client()
+                future = _submit(self.client.save_weights_and_get_sampling_client)
                 self._sampler = self._result(future, "save_weights_and_get_sampling_client")
                 self._sampler_version = self._weights_version
                 self.counters["sampler_sync"] += 1
@@ -384,9 +412,9 @@ class TinkerTrainer:
         if self.service is None:
             raise CheckpointError("load_state needs the ServiceClient (TinkerTrainer(service=...))")
         if with_optimizer:
-            future = self.service.create_training_client_from_state_with_optimizer(ref)
+            future = _submit(self.service.create_training_client_from_state_with_optimizer, ref)
         else:
-            future = self.service.create_training_client_from_state(ref)
+            future = _submit(self.service.create_training_client_from_state, ref)
         client = self._result(future, f"load_state({ref!r})")
         with self._lock:
             self.client = client
@@ -541,8 +569,11 @@ class TinkerTrainer:
         if self.service is None:
             return
         status = "errored" if self._failed else "success"
+        finish = getattr(self.service, "close", None)
+        if finish is None:  # SDK 0.25: no session finish (the session ends with its heartbeat)
+            return
         try:
-            self.service.close(status).result(timeout=self.close_timeout_s)
+            finish(status).result(timeout=self.close_timeout_s)
         except Exception as exc:  # noqa: BLE001 - cleanup must not mask the real outcome
             # (after a failure the service is often unreachable: the failure itself was reported)
             level = logging.DEBUG if self._failed else logging.WARNING
@@ -553,6 +584,32 @@ class TinkerTrainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Done:
+    """A finished call as a future: its value, or its exception re-raised by ``result``."""
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def future(self) -> _Done:
+        return self
+
+
+def _submit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` as a future: SDK 0.38 returns one; SDK 0.25 (what SkyRL tx pins)
+    blocks in ``create_lora_training_client``, ``create_training_client_from_state*`` and
+    ``save_weights_and_get_sampling_client`` and returns the client (docs/tinker.md)."""
+    try:
+        value = fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised by result(), mapped by the caller
+        return _Done(error=exc)
+    return value if callable(getattr(value, "result", None)) else _Done(value)
 
 
 def _first_line(text: str) -> str:
@@ -572,14 +629,18 @@ def connect(tcfg: Any, api_key: str, *, seed: int) -> tuple[Any, Any, Any]:
     """
     service = tinker.ServiceClient(base_url=tcfg.base_url, api_key=api_key)
     try:
-        future = service.create_lora_training_client(
+        future = _submit(
+            service.create_lora_training_client,
             tcfg.base_model,
             rank=int(tcfg.lora_rank),
             seed=int(seed),
             train_unembed=bool(tcfg.train_unembed),
         )
         client = future.result(timeout=tcfg.request_timeout_s)
-        rest = tinker.RestClient(base_url=tcfg.base_url, api_key=api_key)
+        if hasattr(tinker, "RestClient"):
+            rest = tinker.RestClient(base_url=tcfg.base_url, api_key=api_key)
+        else:  # SDK 0.25: the service's own (deprecated in 0.38)
+            rest = service.create_rest_client()
     except BaseException:
         try:
             service.close("errored").result(timeout=5)
