@@ -126,9 +126,9 @@ def probe_verdict(
     control = float(np.max(np.abs(np.asarray(after_control, np.float64) - after_cancel)))
     if cancel > MOVED:
         raise SemanticsError(
-            f"{kernel} is not the token sum the runner needs: datums with "
-            f"{PROBED[kernel]} (a, b), (−a, 0), (0, −b) must have gradients that cancel (expected "
-            f"no change of the logprobs after a step), the server's step moved them by "
+            f"{kernel} is not the token sum the runner needs: datums with {PROBED[kernel]} "
+            f"(a, b), (−a, 0), (0, −b) must have gradients that cancel (expected no change of "
+            f"the logprobs after a step), the server's step moved them by "
             f"{cancel:.3g} (it normalises each sequence, e.g. by max(Σw, 1e-9)); refusing to "
             "train on a differently normalised gradient"
         )

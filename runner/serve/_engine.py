@@ -870,9 +870,10 @@ class SampleBatcher:
 
     Jobs with the same `SampleJob.key` form a group, run as one call with its prompts in
     random-stream-row order (the order of the client's own call). A group is *complete* when
-    its rows are ``0, n, 2n, …`` (``n`` = its ``num_samples``) without a hole: the runner submits a call's last prompt first
-    (`runner.tinker.TinkerTrainer.sample`), so a group becomes complete exactly when its last
-    request arrives, and the batch — shapes included — is the one the local backend samples.
+    its rows are ``0, n, 2n, …`` (``n`` = its ``num_samples``) without a hole: the runner
+    submits a call's last prompt first (`runner.tinker.TinkerTrainer.sample`; the Fireworks
+    backend its last completion), so a group becomes complete exactly when its last request
+    arrives, and the batch — shapes included — is the one the local backend samples.
     Pending groups run once no new job has arrived for ``quiet_s`` and all are complete, or for
     ``incomplete_quiet_s`` otherwise (a client whose seeds are not a call's indices), and at
     the latest ``max_wait_s`` after the first job. One sampling call runs at a time.

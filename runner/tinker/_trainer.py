@@ -10,7 +10,8 @@ reduction into the per-token weights and always sends ``"none"``).
 
 Sampling goes through the SDK's ``SamplingClient`` of the current weights
 (``save_weights_and_get_sampling_client``, once per weights version); prompt ``i`` of a call
-samples with the int32 ``seed = prompt_seed(seed, i, num_samples)`` and the integer stop tokens are passed through.
+samples with the int32 ``seed = prompt_seed(seed, i, num_samples)`` (`runner._seeds`) and the
+integer stop tokens are passed through.
 
 Checkpoints: `save_resumable` saves the state (``tinker://<run>/weights/<name>``) and resolves its
 identity in the run's checkpoint listing (its creation time); `save_promotable` saves sampler
@@ -356,9 +357,10 @@ class TinkerTrainer:
         """``num_samples`` completions per prompt at the current weights.
 
         Every prompt is submitted (the last one first) before any result is awaited; prompt
-        ``i`` samples with ``seed = prompt_seed(seed, i, num_samples)`` (an int32, `runner._seeds`); ``stop_token_ids`` go to the service as integer stop
-        tokens (an empty list: no stop token, not even an implicit EOS), and each completion is
-        also cut after its first stop token (kept, ``stop_reason="stop"``) in case a service
+        ``i`` samples with the int32 ``seed = prompt_seed(seed, i, num_samples)``
+        (`runner._seeds`); ``stop_token_ids`` go to the service as integer stop tokens (an
+        empty list: no stop token, not even an implicit EOS), and each completion is also cut
+        after its first stop token (kept, ``stop_reason="stop"``) in case a service
         generates past it.
 
         Returns:
