@@ -399,10 +399,10 @@ class FireworksTrainer:
         ``num_samples`` requests with one seed, which a seeded deployment answers identically);
         all requests are submitted (the last one first) before any result is awaited.
         ``stop_token_ids`` are applied client-side: each completion is cut after its first stop
-        token (kept, with its logprob; ``stop_reason="stop"``). The SDK's deployment sampler only takes string stops (integer
-        ids need a tokenizer it does not have by default), and a server-side stop may drop the
-        stop token; the cut is exact because a completion's prefix does not depend on what is
-        sampled after it. Cost: up to ``max_tokens`` generated tokens per completion.
+        token (kept, with its logprob; ``stop_reason="stop"``). The SDK's deployment sampler
+        only takes string stops (integer ids need a tokenizer it does not have by default), and
+        a server-side stop may drop the stop token; the cut is exact because a completion's
+        prefix does not depend on what is sampled after it. Cost: up to ``max_tokens`` generated tokens per completion.
 
         Returns:
           ``result[p][j]``: a `runner.Sample` (int64 tokens, float32 sampling logprobs).
