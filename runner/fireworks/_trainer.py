@@ -402,7 +402,8 @@ class FireworksTrainer:
         token (kept, with its logprob; ``stop_reason="stop"``). The SDK's deployment sampler
         only takes string stops (integer ids need a tokenizer it does not have by default), and
         a server-side stop may drop the stop token; the cut is exact because a completion's
-        prefix does not depend on what is sampled after it. Cost: up to ``max_tokens`` generated tokens per completion.
+        prefix does not depend on what is sampled after it. Cost: up to ``max_tokens``
+        generated tokens per completion.
 
         Returns:
           ``result[p][j]``: a `runner.Sample` (int64 tokens, float32 sampling logprobs).
