@@ -1,4 +1,4 @@
-"""Checks that a server's ``cross_entropy`` is ``Σ −w·logp`` before the runner trusts it.
+"""Checks that a server's kernels are the token sums the runner sends them for, before it trains.
 
 The fused client path (and SFT) sends ``weights = −dL/dlogp`` through the server's
 ``cross_entropy``: exact only if the server's loss is the plain weighted token sum over every
@@ -15,9 +15,9 @@ gradient, silently. Two checks (no SDK import here; the backend runs the calls):
   for ``cross_entropy``; per-token ``advantages`` at the current logprobs, on-policy, for the
   policy kernels whose on-policy gradient is ``−Σ A·∇logp``: ``PROBED``), then one Adam step
   with ``eps = 1`` (a tiny gradient makes a tiny step) and ``beta1 = 0`` (no momentum from the
-  scratch client's earlier steps). On a conforming server the three datums'
-  gradients cancel (a causal model's logprob of a target depends on its prefix only), so the
-  step moves nothing: the logprobs change by rounding only. A server that normalises each
+  scratch client's earlier steps). On a conforming server the three datums' gradients cancel
+  (a causal model's logprob of a target depends on its prefix only), so the step moves
+  nothing: the logprobs change by rounding only. A server that normalises each
   sequence (by ``Σw``, ``Σ|w|`` or its token count, as SkyRL tx does for every kernel) leaves a
   gradient and the step moves the logprobs. A second step on the first datum alone must move
   them (the probe sees a step at all). A uniform scale of the whole call (e.g. ÷ the number of
