@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
         default=4096,
         help="the most nodes a custom-loss graph (create_custom_loss) may have (default 4096)",
     )
+    s.add_argument(  # test only (runner.serve.ServeConfig.test_cross_entropy): not in --help
+        "--test-cross-entropy", default="", choices=("", "skyrl"), help=argparse.SUPPRESS
+    )
     s.add_argument(
         "--log-level",
         default="info",
@@ -128,6 +131,7 @@ def _serve(args) -> int:
             log_level=args.log_level,
             **{name: getattr(args, name) for name in SERVE_LIMITS},
             max_loss_nodes=args.max_loss_nodes,
+            test_cross_entropy=args.test_cross_entropy,
         )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

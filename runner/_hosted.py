@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from runner._padding import CheckedSeqs
-from runner._seeds import PROMPT_SEED_STRIDE
+from runner._seeds import check_hosted_call
 from runner._types import Sample, Seq
 
 #: The SDK calls a hosted trainer counts in ``trainer.counters`` (tests and benchmarks read
@@ -142,17 +142,15 @@ def check_sample_args(
     ``(prompt arrays, num_samples, max_tokens, seed, stop token ids)``.
 
     Raises:
-      ValueError: naming the argument and the rule (seed < 2**32, fewer prompts than the seed
-        stride, a finite temperature ≥ 0, the longest prompt + max_tokens − 1 ≤ max_seq_len).
+      ValueError: naming the argument and the rule (seed < 2**19 and at most 2**12
+        completions per call, `runner._seeds`; a finite temperature ≥ 0; the longest prompt +
+        max_tokens − 1 ≤ max_seq_len).
     """
     arrays = check_prompts(prompts)
     num_samples = check_int("num_samples", num_samples, 1)
     max_tokens = check_int("max_tokens", max_tokens, 1)
     seed = check_int("seed", seed, 0)
-    if seed >= 2**32:
-        raise ValueError(f"sample: seed must be < 2**32, got {seed}")
-    if len(arrays) >= PROMPT_SEED_STRIDE:
-        raise ValueError(f"sample: at most {PROMPT_SEED_STRIDE - 1} prompts per call")
+    check_hosted_call(seed, len(arrays), num_samples)
     if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
         raise ValueError(f"sample: temperature must be a number, got {temperature!r}")
     if not (math.isfinite(temperature) and temperature >= 0):

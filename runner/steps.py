@@ -52,12 +52,30 @@ def sft_step(cfg: Any, trainer: Any, examples: Sequence[Example], pad_id: int) -
     opt = trainer.optim_step(adam(cfg, cfg.sft.learning_rate), "none")
     tokens = sum(s.num_targets for s in seqs)
     return {
-        "sft/nll": float(result.metrics["loss:sum"]),  # weights sum to 1: per-token mean NLL
+        **sft_nll(seqs, result),
         "tokens": float(tokens),
         "passes/forwards": 1.0,
         "passes/backwards": 1.0,
         **{f"optim/{k}": float(v) for k, v in opt.items()},
     }
+
+
+def sft_nll(seqs: Sequence[Seq], result: Any) -> dict[str, float]:
+    """The SFT batch's per-token mean NLL (its weights sum to 1) and where it came from.
+
+    The server's ``loss:sum`` where it reports one (``sft/nll_from_logprobs = 0``), else
+    ``Σ −w·logp`` of the logprobs it returned (``= 1``; a server may omit ``loss:sum``, e.g.
+    SkyRL tx), else no ``sft/nll`` (a server that returns neither).
+    """
+    if "loss:sum" in result.metrics:
+        return {"sft/nll": float(result.metrics["loss:sum"]), "sft/nll_from_logprobs": 0.0}
+    if result.logprobs and len(result.logprobs) == len(seqs):
+        total = sum(
+            -float(np.dot(np.asarray(s.inputs["weights"], np.float64), np.asarray(lp, np.float64)))
+            for s, lp in zip(seqs, result.logprobs, strict=True)
+        )
+        return {"sft/nll": total, "sft/nll_from_logprobs": 1.0}
+    return {}
 
 
 def eval_nll(trainer: Any, examples: Sequence[Example], batch_size: int) -> float:

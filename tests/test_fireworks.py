@@ -490,8 +490,10 @@ def test_bad_sample_arguments(make_fw):
         trainer.sample([[1], [-1]], num_samples=1, max_tokens=2)
     with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
         trainer.sample([[1] * 60], num_samples=1, max_tokens=8)
-    with pytest.raises(ValueError, match="seed must be < 2\\*\\*32"):
-        trainer.sample([[1]], num_samples=1, max_tokens=2, seed=2**32)
+    with pytest.raises(ValueError, match="seed must be in \\[0, 2\\*\\*19\\) on a hosted backend"):
+        trainer.sample([[1]], num_samples=1, max_tokens=2, seed=2**19)
+    with pytest.raises(ValueError, match="at most 4096 completions"):
+        trainer.sample([[1]] * 2049, num_samples=2, max_tokens=2)
     with pytest.raises(ValueError, match="temperature must be finite"):
         trainer.sample([[1]], num_samples=1, max_tokens=2, temperature=-1.0)
 

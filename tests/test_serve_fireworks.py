@@ -358,7 +358,11 @@ def test_sampling_reproduces_the_local_backend_sample_by_sample(served, trainer)
     for row_a, row_b in zip(a, b, strict=True):
         for sa, sb in zip(row_a, row_b, strict=True):
             assert np.array_equal(sa.tokens, sb.tokens) and sa.stop_reason == sb.stop_reason
-            assert sa.logprobs.dtype == np.float32 and np.array_equal(sa.logprobs, sb.logprobs)
+            # The SDK sends at most 8 requests at once at first (its adaptive concurrency window),
+            # so the server may sample these 9 rows in two batches of other shapes than the local
+            # call's: the same random stream per row (the same tokens), logprobs to rounding.
+            assert sa.logprobs.dtype == np.float32
+            np.testing.assert_allclose(sa.logprobs, sb.logprobs, rtol=1e-6, atol=1e-6)
         assert len({s.tokens.tobytes() for s in row_a}) > 1  # distinct samples per prompt
     assert trainer.counters["sample"] == 9 and trainer.counters["sampler_sync"] == 1
 
@@ -411,14 +415,14 @@ def test_completions_seeds_echo_and_non_streamed_replies(served, trainer):
     (deployment,) = [d for d, r in control.deployments.items() if r["hotLoadTrainerJob"] == job]
     model = f"accounts/foldloss-local/deployments/{deployment}"
     body = {"model": model, "prompt": [3, 4, 5], "max_tokens": 4, "logprobs": True,
-            "raw_output": True, "seed": sample_seed(7, 2, 1)}  # fmt: skip
+            "raw_output": True, "seed": sample_seed(7, 2, 1, 2)}  # fmt: skip
     one, two = (_raw(served, "POST", "/inference/v1/completions", json=body) for _ in range(2))
     assert one.status_code == two.status_code == 200
     c1, c2 = one.json()["choices"][0], two.json()["choices"][0]
     assert c1["raw_output"] == c2["raw_output"]  # equal seeds: equal completions
     local = LocalTrainer(CFG)
     local.set_params(served.server.engine.sampler(control.hot[deployment]["sampler_id"]).params)
-    want = local.sample([[3, 4, 5]], num_samples=2, max_tokens=4, seed=7, prompt_indices=[2])[0][1]
+    want = local.sample([[3, 4, 5]], num_samples=2, max_tokens=4, seed=7, row_offsets=[4])[0][1]
     assert c1["raw_output"]["completion_token_ids"] == want.tokens.tolist()
     lps = [e["sampling_logprob"] for e in c1["logprobs"]["content"]]
     np.testing.assert_array_equal(np.float32(lps), want.logprobs)

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from runner._seeds import call_seed
 from runner._types import Seq, make_seq
 from runner.env import tokenizer as tok
 
@@ -601,7 +602,7 @@ def _cut_at_stop(tokens: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, 
 
 
 def _turn_seed(seed: int, turn: int) -> int:
-    return int(np.random.SeedSequence([int(seed), turn]).generate_state(1)[0] >> 1)
+    return call_seed(seed, turn)
 
 
 def rollout(

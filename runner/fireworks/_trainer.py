@@ -59,8 +59,6 @@ from runner.fireworks._convert import (
     to_datums,
 )
 from runner.fireworks._seeds import (  # noqa: F401 - prompt_seed is re-exported
-    MAX_SAMPLES,
-    PROMPT_SEED_STRIDE,
     prompt_seed,
     sample_seed,
 )
@@ -396,15 +394,16 @@ class FireworksTrainer:
         """``num_samples`` completions per prompt from the deployment, at the current weights.
 
         The weights are hot-loaded once per version (after each ``optim_step``/load). Each
-        completion is its own request: sample ``j`` of prompt ``i`` with
-        ``seed = sample_seed(seed, i, j)`` (`runner.fireworks._seeds`; the SDK would send
+        completion is its own request: sample ``j`` of prompt ``i`` with the int32
+        ``seed = sample_seed(seed, i, j, num_samples)`` (`runner._seeds`; the SDK would send
         ``num_samples`` requests with one seed, which a seeded deployment answers identically);
-        all requests are submitted before any result is awaited. ``stop_token_ids`` are applied
-        client-side: each completion is cut after its first stop token (kept, with its logprob;
-        ``stop_reason="stop"``). The SDK's deployment sampler only takes string stops (integer
-        ids need a tokenizer it does not have by default), and a server-side stop may drop the
-        stop token; the cut is exact because a completion's prefix does not depend on what is
-        sampled after it. Cost: up to ``max_tokens`` generated tokens per completion.
+        all requests are submitted (the last one first) before any result is awaited.
+        ``stop_token_ids`` are applied client-side: each completion is cut after its first stop
+        token (kept, with its logprob; ``stop_reason="stop"``). The SDK's deployment sampler
+        only takes string stops (integer ids need a tokenizer it does not have by default), and
+        a server-side stop may drop the stop token; the cut is exact because a completion's
+        prefix does not depend on what is sampled after it. Cost: up to ``max_tokens``
+        generated tokens per completion.
 
         Returns:
           ``result[p][j]``: a `runner.Sample` (int64 tokens, float32 sampling logprobs).
@@ -412,30 +411,28 @@ class FireworksTrainer:
         arrays, num_samples, max_tokens, seed, stops = check_sample_args(
             prompts, num_samples, max_tokens, seed, temperature, stop_token_ids, self.max_seq_len
         )
-        if num_samples > MAX_SAMPLES:
-            raise ValueError(f"sample: num_samples must be <= {MAX_SAMPLES}, got {num_samples}")
         sampler = self._current_sampler()
-        futures = []
-        for i, a in enumerate(arrays):
-            prompt = types.ModelInput.from_ints(a.tolist())
-            row = []
-            for j in range(num_samples):
-                # One request per completion, each with its own seed: the SDK sends a
-                # ``sample(prompt, n, params)`` as n requests with the same seed, which a seeded
-                # deployment answers with n identical completions.
-                params = types.SamplingParams(
-                    max_tokens=max_tokens,
-                    temperature=float(temperature),
-                    seed=sample_seed(seed, i, j),
-                )
-                row.append(sampler.sample(prompt, 1, params))
-            futures.append(row)
+        models = [types.ModelInput.from_ints(a.tolist()) for a in arrays]
+        rows = [(i, j) for i in range(len(arrays)) for j in range(num_samples)]
+        futures: dict[tuple[int, int], Any] = {}
+        # The last completion first: a server that batches one call's requests (the local
+        # server) then sees the call's rows complete only when its last request arrives.
+        for i, j in [rows[-1], *rows[:-1]]:
+            # One request per completion, each with its own seed: the SDK sends a
+            # ``sample(prompt, n, params)`` as n requests with the same seed, which a seeded
+            # deployment answers with n identical completions.
+            params = types.SamplingParams(
+                max_tokens=max_tokens,
+                temperature=float(temperature),
+                seed=sample_seed(seed, i, j, num_samples),
+            )
+            futures[i, j] = sampler.sample(models[i], 1, params)
         self.counters["sample"] += len(arrays) * num_samples
         out = []
-        for i, row in enumerate(futures):
+        for i in range(len(arrays)):
             samples = []
-            for fut in row:
-                seqs = list(self._result(fut, f"sample (prompt {i})").sequences)
+            for j in range(num_samples):
+                seqs = list(self._result(futures[i, j], f"sample (prompt {i})").sequences)
                 if len(seqs) != 1:
                     raise RuntimeError(f"prompt {i}: got {len(seqs)} samples, expected 1")
                 samples.append(_to_sample(seqs[0], i, stops))

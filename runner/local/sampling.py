@@ -6,10 +6,11 @@ of single-token ``decode_step`` calls of the model (`runner.local.models._arch`)
 cache, one token per row per step, stopping early when every row is done. ``max_tokens`` and
 ``temperature`` are traced scalars, so changing them does not recompile.
 
-Randomness: row ``r`` (prompt ``p``, sample ``j``) draws step ``i`` from
-``fold_in(fold_in(fold_in(PRNGKey(seed), p), j), i)``, so a row's completion depends only on the
-seed, the prompt's index ``p`` and tokens, ``j`` and the weights — not on the other prompts,
-``num_samples`` or the batch padding.
+Randomness: row ``r`` draws step ``i`` from ``fold_in(fold_in(fold_in(PRNGKey(seed), p), j), i)``
+with its ``prompt_idx`` ``p`` and ``sample_idx`` ``j`` (`LocalTrainer.sample` passes the call's
+row number ``p·num_samples + j`` as ``p`` and 0 as ``j``, `runner._seeds`), so a row's completion
+depends only on the seed, those two indices, its prompt tokens and the weights — not on the other
+prompts or the batch padding.
 
 Reported logprobs: ``log_softmax(logits / temperature)[token]``, the logprob of the sampled token
 under the temperature-scaled distribution it was drawn from (equal to the model's

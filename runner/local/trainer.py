@@ -658,7 +658,7 @@ class LocalTrainer:
         temperature: float = 1.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
-        prompt_indices: Sequence[int] | None = None,
+        row_offsets: Sequence[int] | None = None,
     ) -> list[list[Sample]]:
         """``num_samples`` completions per prompt, batched, with a KV cache.
 
@@ -675,12 +675,13 @@ class LocalTrainer:
           num_samples: completions per prompt (≥ 1).
           max_tokens: most tokens per completion (≥ 1).
           temperature: sampling temperature ≥ 0.
-          seed: PRNG seed.
+          seed: PRNG seed (`runner._seeds`: completion ``j`` of prompt ``p`` draws from the
+            random stream of row ``p·num_samples + j``).
           stop_token_ids: token ids that end a completion.
-          prompt_indices: the random-stream index of each prompt (default: its position
-            ``0..len(prompts)-1``). A caller that receives the prompts of one call separately
-            (the local server, one request per prompt) passes their positions in that call to
-            reproduce its completions.
+          row_offsets: the random-stream row of each prompt's first completion (default:
+            ``p·num_samples``). A caller that receives the prompts of one call separately
+            (the local server, one request per prompt or per completion) passes their rows in
+            that call (decoded from the wire seeds) to reproduce its completions.
 
         Returns:
           ``result[p][j]``: the ``j``-th `runner.Sample` of prompt ``p``.
@@ -697,14 +698,14 @@ class LocalTrainer:
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"sample: temperature must be finite and >= 0, got {temperature!r}")
         stops = [int(_check_int("stop_token_ids entry", t, 0)) for t in stop_token_ids]
-        if prompt_indices is None:
-            indices = list(range(len(arrays)))
+        if row_offsets is None:
+            offsets = [p * num_samples for p in range(len(arrays))]
         else:
-            indices = [_check_int("prompt_indices entry", i, 0) for i in prompt_indices]
-            if len(indices) != len(arrays) or max(indices) >= 2**31:
+            offsets = [_check_int("row_offsets entry", i, 0) for i in row_offsets]
+            if len(offsets) != len(arrays) or max(offsets) + num_samples > 2**31:
                 raise ValueError(
-                    f"sample: prompt_indices must give one index < 2**31 per prompt, got "
-                    f"{len(indices)} for {len(arrays)} prompts"
+                    f"sample: row_offsets must give one row (+ num_samples <= 2**31) per "
+                    f"prompt, got {len(offsets)} for {len(arrays)} prompts"
                 )
         bad = [t for t in stops if t >= cfg.vocab_size]
         if bad:
@@ -737,7 +738,7 @@ class LocalTrainer:
             for j in range(num_samples):
                 r = p * num_samples + j
                 toks[r, : a.shape[0]] = a
-                lens[r], p_idx[r], s_idx[r], active[r] = a.shape[0], indices[p], j, True
+                lens[r], p_idx[r], active[r] = a.shape[0], offsets[p] + j, True
         n_stop = 4
         while n_stop < len(stops):
             n_stop *= 2

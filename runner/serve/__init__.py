@@ -108,6 +108,7 @@ def make_server(config: ServeConfig, base_models: Mapping[str, BaseModel]) -> Se
         flavours.append(FireworksFlavour(config.state_dir))
     engine = Engine(base_models, config.state_dir)
     engine.limits = config
+    engine.cross_entropy_mode = config.test_cross_entropy
     return Server(
         config,
         engine,
@@ -230,6 +231,7 @@ def serve_forever(
     max_body_mb: float = 64.0,
     log_level: str = "info",
     max_loss_nodes: int = 4096,
+    test_cross_entropy: str = "",
     **limits: int,
 ) -> int:
     """``python -m runner serve``: binds, prints the URL on one line, serves until SIGINT/TERM.
@@ -250,6 +252,7 @@ def serve_forever(
         max_body_bytes=int(max_body_mb * 1024 * 1024),
         prefixes=DEFAULT_PREFIXES,
         max_loss_nodes=max_loss_nodes,
+        test_cross_entropy=test_cross_entropy,
         **limits,  # `ServeConfig.max_samples` ... (the --max-* flags)
     )
     base_models = parse_model_flags(models)

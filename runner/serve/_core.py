@@ -601,6 +601,11 @@ class ServeConfig:
     max_sessions: int = SERVE_LIMITS["max_sessions"][1]
     max_models: int = SERVE_LIMITS["max_models"][1]
     max_loss_nodes: int = 4096
+    #: Test only: ``"skyrl"`` makes ``forward_backward`` normalise as SkyRL tx's does (each
+    #: datum's loss ÷ ``max(Σw, 1e-9)``, ``w`` = its weights, all ones for the policy kernels;
+    #: mean over datums; no ``loss:sum``), so that tests can check that the runner refuses such
+    #: a server (`runner._semantics`). ``""``: our kernels' token sums.
+    test_cross_entropy: str = ""
 
     def __post_init__(self) -> None:
         for key in (self.api_key, *self.extra_api_keys):

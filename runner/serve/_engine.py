@@ -25,7 +25,7 @@ restart. A `CheckpointRef` names one ``(model_id, kind, name)``; flavours format
 
 **Sampling**: a sampling session (`SamplerEntry`) is a frozen copy of some weights. Requests
 arrive one prompt at a time; `SampleBatcher` coalesces those that arrive together with the same
-parameters into one `LocalTrainer.sample` call, each prompt at its random-stream index
+parameters into one `LocalTrainer.sample` call, each prompt at its random-stream row
 (`decode_seed`), so the runner's one ``sample`` call over N prompts (N requests) reproduces the
 local backend's single call exactly. A LoRA model's sampler samples as the trainer does (the
 frozen base plus the adapters, unmerged).
@@ -51,9 +51,9 @@ import numpy as np
 
 from runner._atomic import atomic_write_json, make_dirs
 from runner._kernels import KERNELS, check_kernel_inputs, resolve_config
+from runner._seeds import decode_wire_seed
 from runner._types import NORMALIZATIONS, AdamParams, Sample, Seq, validate_seqs
 from runner.serve._core import ServeError, over_limit, user_error
-from runner.tinker._seeds import decode_prompt_seed
 
 log = logging.getLogger("runner.serve")
 
@@ -64,19 +64,20 @@ CHECKPOINT_KINDS = ("state", "sampler")
 
 
 def decode_seed(seed: int | None) -> tuple[int, int]:
-    """``(base seed, prompt index)`` of a wire sampling seed (None: a fresh random base).
+    """``(base seed, row)`` of a wire sampling seed (None: a fresh random base).
 
-    A seed ``s`` samples its prompt with the local trainer's random stream of prompt
-    ``s % 2^20`` of a call seeded ``s // 2^20`` (`runner.tinker._seeds.prompt_seed`): the
-    runner's per-prompt seeds reproduce its local backend's single call exactly.
+    A seed ``s`` samples its request's completions with the local trainer's random streams of
+    rows ``s % 2^12, s % 2^12 + 1, …`` of a call seeded ``s // 2^12`` (`runner._seeds`): the
+    runner's int32 per-prompt (Tinker) and per-completion (Fireworks) seeds reproduce its local
+    backend's single call exactly.
     """
     if seed is None:
         return secrets.randbits(32), 0
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise user_error(f"sampling_params.seed must be a non-negative integer, got {seed!r}")
-    base, index = decode_prompt_seed(seed)
+    base, index = decode_wire_seed(seed)
     if base >= 2**32:
-        raise user_error(f"sampling_params.seed {seed} is too large (at most {2**52 - 1})")
+        raise user_error(f"sampling_params.seed {seed} is too large (at most {2**44 - 1})")
     return base, index
 
 
@@ -391,6 +392,7 @@ class Engine:
         self._value_fns: dict[tuple, Any] = {}
         #: The server's per-request bounds (a `ServeConfig`, set by `make_server`); None: none.
         self.limits: Any = None
+        self.cross_entropy_mode = ""  # test only: ServeConfig.test_cross_entropy
 
     # -- base models --------------------------------------------------------------------------
 
@@ -649,8 +651,13 @@ class Engine:
     def forward_backward(
         self, model: TrainingModel, seqs: Sequence[Seq], loss_fn: str, config: Any
     ) -> tuple[list[np.ndarray], dict[str, float]]:
+        if self.cross_entropy_mode == "skyrl":
+            seqs = _skyrl_normalised(seqs, loss_fn)
         result = model.trainer.forward_backward(seqs, loss_fn, config)  # (its own input rules)
-        return list(result.logprobs), dict(result.metrics)
+        metrics = dict(result.metrics)
+        if self.cross_entropy_mode == "skyrl":
+            metrics.pop("loss:sum", None)  # SkyRL tx reports none
+        return list(result.logprobs), metrics
 
     def forward(
         self, model: TrainingModel, seqs: Sequence[Seq], loss_fn: str, config: Any
@@ -742,7 +749,7 @@ class Engine:
             temperature=first.temperature,
             seed=first.base_seed,
             stop_token_ids=first.stops,
-            prompt_indices=[j.index for j in jobs],
+            row_offsets=[j.index for j in jobs],
         )
 
     def prompt_logprobs(self, entry: SamplerEntry, prompt: np.ndarray) -> np.ndarray:
@@ -789,6 +796,23 @@ class Engine:
         self.samplers.clear()
 
 
+def _skyrl_normalised(seqs: Sequence[Seq], loss_fn: str) -> list[Seq]:
+    """Test only (`ServeConfig.test_cross_entropy`): the datums that give SkyRL tx's loss from
+    our token-sum kernels. SkyRL divides each datum's token-sum loss by ``max(Σw, 1e-9)`` (its
+    ``weights``; all ones for the policy kernels, which get none) and averages over datums; our
+    kernels are linear in ``weights`` / ``advantages``, so that scale is folded into them."""
+    out = []
+    for s in seqs:
+        inputs = dict(s.inputs)
+        if loss_fn == "cross_entropy":
+            w = np.asarray(inputs["weights"], np.float64)
+            inputs["weights"] = w / max(float(w.sum()), 1e-9) / len(seqs)
+        elif "advantages" in inputs:
+            inputs["advantages"] = np.asarray(inputs["advantages"]) / s.num_targets / len(seqs)
+        out.append(Seq(s.tokens, inputs))
+    return out
+
+
 def _sampler_file(sampler: Path, name: str) -> Path:
     """The safetensors file of sampler checkpoint ``name`` under ``sampler/`` (the toy's
     ``<name>.safetensors``; a decoder's ``<name>/model.safetensors`` or, with LoRA,
@@ -831,6 +855,8 @@ def _tree_size(base: Path) -> int | None:
 class SampleJob:
     """One sampling request (one prompt) waiting to be batched.
 
+    ``index`` is the random-stream row of its first completion in its call (`decode_seed`).
+
     ``done(samples, prompt_logprobs)`` or ``failed(error)`` is called on the server's loop
     (the submitting flavour sets them).
     """
@@ -864,10 +890,11 @@ class SampleBatcher:
     """Coalesces sampling jobs that arrive together into batched `LocalTrainer.sample` calls.
 
     Jobs with the same `SampleJob.key` form a group, run as one call with its prompts in
-    random-stream-index order (the order of the client's own call). A group is *complete* when
-    its indices are ``0..max`` without a hole: the runner submits a call's last prompt first
-    (`runner.tinker.TinkerTrainer.sample`), so a group becomes complete exactly when its last
-    request arrives, and the batch — shapes included — is the one the local backend samples.
+    random-stream-row order (the order of the client's own call). A group is *complete* when
+    its rows are ``0, n, 2n, …`` (``n`` = its ``num_samples``) without a hole: the runner
+    submits a call's last prompt first (`runner.tinker.TinkerTrainer.sample`; the Fireworks
+    backend its last completion), so a group becomes complete exactly when its last request
+    arrives, and the batch — shapes included — is the one the local backend samples.
     Pending groups run once no new job has arrived for ``quiet_s`` and all are complete, or for
     ``incomplete_quiet_s`` otherwise (a client whose seeds are not a call's indices), and at
     the latest ``max_wait_s`` after the first job. One sampling call runs at a time.
@@ -911,9 +938,10 @@ class SampleBatcher:
 
     @staticmethod
     def complete(items: Sequence[SampleJob]) -> bool:
-        """Whether a group's indices are ``0..max`` with no hole."""
-        indices = {j.index for j in items}
-        return len(indices) == max(indices) + 1
+        """Whether a group's rows are ``0, n, 2n, …`` with no hole (``n``: its num_samples)."""
+        n = items[0].num_samples
+        rows = sorted({j.index for j in items})
+        return rows == list(range(0, n * len(rows), n))
 
     async def _loop(self) -> None:
         assert self._wake is not None

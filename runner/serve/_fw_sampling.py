@@ -8,8 +8,8 @@ The SDK's deployment sampler (``fireworks.training.sdk.sampling.DeploymentSample
 as one JSON object.
 
 **Seeds.** A request's ``seed`` names a random stream of the local trainer
-(`runner.fireworks._seeds.decode_sample_seed`): ``(seed, prompt index, sample index)``, the
-stream that sample of that prompt has in the local backend's ``sample(prompts, seed=seed)``.
+(`runner._seeds.decode_wire_seed`): ``(seed, row)``, the stream that completion has in the
+local backend's ``sample(prompts, seed=seed)`` (its ``n`` completions: rows ``row..row+n-1``).
 Equal seeds give equal completions (as a seeded deployment does); a request without a seed gets
 a fresh random stream. Requests that arrive together with the same weights, seed, length and
 temperature are answered from one `LocalTrainer.sample` call (`Coalescer`, then the server's
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from runner.fireworks._seeds import MAX_SAMPLES, SAMPLE_SEED_STRIDE, decode_sample_seed
+from runner._seeds import ROWS_PER_CALL, decode_wire_seed
 from runner.serve._core import ServeError, Server, json_response, user_error
 from runner.serve._engine import SampleJob, decode_seed
 
@@ -74,7 +74,6 @@ class Wanted:
     prompt: np.ndarray
     base_seed: int
     index: int
-    sample: int
     n: int
     max_tokens: int
     temperature: float
@@ -93,9 +92,9 @@ class Coalescer:
 
     After the first pending request, waits until none has arrived for the server's
     ``sample_incomplete_quiet_s`` (the requests of one call carry no count of their siblings;
-    at most ``sample_max_wait_s``); then each group of requests with equal weights, seed,
-    ``max_tokens`` and temperature becomes one `SampleJob` per prompt with as many samples as
-    the group's highest sample index needs, and the batcher runs the group as one
+    at most ``sample_max_wait_s``); then each group of requests with equal weights, call seed,
+    ``max_tokens`` and temperature becomes one `SampleJob` per row (equal requests share one),
+    and the batcher runs the group as one
     `LocalTrainer.sample` call.
     """
 
@@ -137,7 +136,6 @@ class Coalescer:
                 self._dispatch(items)
 
     def _dispatch(self, items: list[Wanted]) -> None:
-        num_samples = max(w.sample + w.n for w in items)
         prompts: dict[tuple, list[Wanted]] = {}
         for w in items:
             prompts.setdefault((w.index, w.prompt.tobytes()), []).append(w)
@@ -149,7 +147,7 @@ class Coalescer:
             job = SampleJob(
                 sampler_id=first.sampler_id,
                 prompt=members[0].prompt,
-                num_samples=num_samples,
+                num_samples=max(w.n for w in members),
                 max_tokens=first.max_tokens,
                 temperature=first.temperature,
                 base_seed=first.base_seed,
@@ -165,7 +163,7 @@ class Coalescer:
 def _deliver(members: list[Wanted], samples: list[Any], plp: np.ndarray | None) -> None:
     for w in members:
         if not w.future.done():
-            w.future.set_result((samples[w.sample : w.sample + w.n], plp))
+            w.future.set_result((samples[: w.n], plp))
 
 
 def _fail(members: list[Wanted], err: ServeError) -> None:
@@ -262,15 +260,12 @@ class SamplingRoutes:
             raise user_error(f"completions: seed must be a non-negative integer, got {seed!r}")
         if seed is None:
             base_seed, index = decode_seed(None)
-            sample = 0
         else:
-            if seed >= MAX_SAMPLES * SAMPLE_SEED_STRIDE:
-                raise user_error(f"completions: seed {seed} is too large (at most 2**63 - 1)")
-            base_seed, index, sample = decode_sample_seed(seed)
+            base_seed, index = decode_wire_seed(seed)
             if base_seed >= 2**32:
                 raise user_error(f"completions: seed {seed} decodes to a base seed >= 2**32")
-        if sample + n > MAX_SAMPLES:
-            raise user_error(f"completions: sample index + n exceeds {MAX_SAMPLES}")
+        if index + n > ROWS_PER_CALL:
+            raise user_error(f"completions: the seed's row + n exceeds {ROWS_PER_CALL}")
         sampler_id = await self.control.sampler_for(server, body.get("model"))
         entry = server.engine.sampler(sampler_id)
         arr = np.asarray(prompt, np.int64)
@@ -278,12 +273,12 @@ class SamplingRoutes:
             raise user_error("completions: prompt token id too large")
         arr = arr.astype(np.int32)
         probe = SampleJob(
-            sampler_id, arr, sample + n, max_tokens, temperature, base_seed, index, ()
+            sampler_id, arr, n, max_tokens, temperature, base_seed, index, ()
         )
         server.engine.check_sample(entry, probe)
         fut = asyncio.get_running_loop().create_future()
         wanted = Wanted(
-            sampler_id, arr, base_seed, index, sample, n, max_tokens, temperature, echo, fut
+            sampler_id, arr, base_seed, index, n, max_tokens, temperature, echo, fut
         )
         self._coalescer(server).submit(wanted)
         samples, plp = await fut

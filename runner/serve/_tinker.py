@@ -66,6 +66,9 @@ _OFF_FLAGS = {
 }
 #: Flags this server turns on: it stores and runs custom losses (`runner.serve._custom_loss`).
 _ON_FLAGS = {"custom_loss_server_side": True}
+#: tinker SDK 0.25 (what SkyRL tx pins) creates a model from a saved state through
+#: ``load_weights`` (create-via-load, as 0.38 always does) only with this flag; 0.38 ignores it.
+_VIA_LOAD_FLAGS = {"create_model_via_load_weights": True}
 _PROTO_DTYPES = {
     pb.DTYPE_FLOAT32: np.dtype(np.float32),
     pb.DTYPE_INT64: np.dtype(np.int64),
@@ -234,7 +237,7 @@ async def capabilities(server: Server, request: web.Request) -> web.Response:
 async def client_config(server: Server, request: web.Request) -> web.Response:
     await _parse(server, request, tt.ClientConfigRequest, "client/config")
     flags = {k: v for k, v in server.config.client_config.items() if k in CONFIGURABLE_FLAGS}
-    return json_response({**flags, **_OFF_FLAGS, **_ON_FLAGS})
+    return json_response({**flags, **_OFF_FLAGS, **_ON_FLAGS, **_VIA_LOAD_FLAGS})
 
 
 async def dynamic_config(server: Server, request: web.Request) -> web.Response:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from runner._seeds import call_seed
 from runner._types import Seq, make_seq
 from runner.tasks._load import LoadedTask
 from runner.tasks._protocol import StepResult
@@ -186,8 +187,9 @@ def _cut_at_stop(tokens: np.ndarray, logprobs: np.ndarray, stops: Sequence[int])
 
 
 def turn_seed(seed: int, turn: int) -> int:
-    """The sampling seed of turn ``turn`` of a rollout seeded ``seed``."""
-    return int(np.random.SeedSequence([int(seed), turn]).generate_state(1)[0] >> 1)
+    """The sampling seed of turn ``turn`` of a rollout seeded ``seed`` (below 2^19, so that
+    every backend's wire seeds fit int32: `runner._seeds`)."""
+    return call_seed(seed, turn)
 
 
 def rollout(

@@ -26,7 +26,7 @@ _EXPORTS = {
     "to_datums": "runner.tinker._convert",
     "loss_config": "runner.tinker._convert",
     "prompt_seed": "runner.tinker._seeds",
-    "PROMPT_SEED_STRIDE": "runner.tinker._seeds",
+    "CALL_SEEDS": "runner.tinker._seeds",
     "validate_static": "runner.tinker._validate",
     "api_key_from_env": "runner.tinker._validate",
     "torch_loss_fn": "runner.fireworks._torch",

@@ -19,7 +19,7 @@ from runner._hosted import ModelInputCache as _HostedModelInputCache
 from runner._kernels import KERNELS, check_kernel_inputs, resolve_config, supported
 from runner._padding import CheckedSeqs
 from runner._types import Seq, validate_seqs
-from runner.tinker._seeds import PROMPT_SEED_STRIDE, prompt_seed  # noqa: F401 - re-exported
+from runner.tinker._seeds import CALL_SEEDS, prompt_seed  # noqa: F401 - re-exported
 
 #: The builtin kernels Tinker documents (its ``LossFnType`` names in the kernel table):
 #: `TinkerTrainer.builtin_losses`.

@@ -1,3 +1,8 @@
 """The Tinker backend's per-prompt seeds: the one rule in `runner._seeds` (re-exported)."""
 
-from runner._seeds import PROMPT_SEED_STRIDE, decode_prompt_seed, prompt_seed  # noqa: F401
+from runner._seeds import (  # noqa: F401 - re-exported
+    CALL_SEEDS,
+    ROWS_PER_CALL,
+    decode_wire_seed,
+    prompt_seed,
+)

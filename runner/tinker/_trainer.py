@@ -10,7 +10,8 @@ reduction into the per-token weights and always sends ``"none"``).
 
 Sampling goes through the SDK's ``SamplingClient`` of the current weights
 (``save_weights_and_get_sampling_client``, once per weights version); prompt ``i`` of a call
-samples with ``seed = prompt_seed(seed, i)`` and the integer stop tokens are passed through.
+samples with the int32 ``seed = prompt_seed(seed, i, num_samples)`` (`runner._seeds`) and the
+integer stop tokens are passed through.
 
 Checkpoints: `save_resumable` saves the state (``tinker://<run>/weights/<name>``) and resolves its
 identity in the run's checkpoint listing (its creation time); `save_promotable` saves sampler
@@ -42,6 +43,15 @@ from runner._hosted import check_sample_args, float_metrics
 from runner._hosted import to_sample as _to_sample
 from runner._net import ServiceUnreachable, in_daemon_thread, probe, wait_result
 from runner._padding import CheckedSeqs
+from runner._semantics import (
+    PROBE_ADAM,
+    PROBED,
+    SemanticsError,
+    check_reported_loss,
+    probe_seqs,
+    probe_verdict,
+    with_logprobs,
+)
 from runner._types import AdamParams, ForwardBackwardResult, Sample, Seq
 from runner.checkpoints import CheckpointError
 from runner.tinker._convert import (
@@ -84,6 +94,11 @@ class TinkerTrainer:
       request_timeout_s: how long to wait for any one result.
       close_timeout_s: how long `close` waits for the session to finish.
       builtin_losses: the kernels the step planner may use (default `BUILTIN_LOSSES`).
+      verify: check the server's loss semantics (`runner._semantics`): every ``cross_entropy``
+        call whose ``loss:sum`` and logprobs come back; and, the first time a kernel's call
+        comes back without ``loss:sum``, that kernel's probe on a scratch client of
+        ``lora_rank`` (before any ``optim_step``).
+      lora_rank: the scratch client's LoRA rank.
 
     Attributes:
       builtin_losses: kernel names for `runner.plan_step`.
@@ -103,6 +118,8 @@ class TinkerTrainer:
         request_timeout_s: float = 300.0,
         close_timeout_s: float = 5.0,
         builtin_losses: Sequence[str] | None = None,
+        verify: bool = True,
+        lora_rank: int = 8,
     ) -> None:
         if not isinstance(base_model, str) or not base_model.strip():
             raise ValueError("TinkerTrainer: base_model is required")
@@ -131,6 +148,10 @@ class TinkerTrainer:
         self._failed = False
         self._closed = False
         self._losses = SessionLosses(service)
+        self.verify = bool(verify)
+        self.lora_rank = int(lora_rank)
+        self._probed: set[str] = set()
+        self._scratch: TinkerTrainer | None = None
 
     def __repr__(self) -> str:
         model_id = getattr(self.client, "model_id", None)
@@ -231,10 +252,71 @@ class TinkerTrainer:
         future = self.client.forward_backward(datums, loss_name, cfg or None)
         out = self._result(future, f"forward_backward({loss_name})")
         self.counters["forward_backward"] += 1
-        return ForwardBackwardResult(
+        result = ForwardBackwardResult(
             logprobs=output_logprobs(out, seqs, required=False),
             metrics=float_metrics(out.metrics),
         )
+        if self.verify:
+            self._verify(loss_name, _as_list(seqs), result)
+        return result
+
+    def _verify(self, loss_name: str, seqs: list[Seq], result: ForwardBackwardResult) -> None:
+        """The per-call check of ``cross_entropy``, else (no ``loss:sum``) the kernel's probe."""
+        try:
+            if loss_name == "cross_entropy" and check_reported_loss(
+                seqs, result.logprobs, result.metrics
+            ):
+                return
+        except SemanticsError as exc:
+            raise self._error(str(exc)) from None
+        if "loss:sum" in result.metrics and loss_name != "cross_entropy":
+            return  # a reported kernel loss: the kernel table's semantics (docs/tinker.md)
+        if loss_name not in PROBED:
+            raise self._error(
+                f"forward_backward({loss_name}) returned no loss:sum and {loss_name}'s "
+                f"normalisation cannot be probed (only {sorted(PROBED)}): refusing to train on "
+                "an unverified gradient ([rl].mode = 'client' sends cross_entropy instead)"
+            )
+        self.probe(loss_name)
+
+    def probe(self, loss_name: str) -> None:
+        """Once per kernel: its probe (`runner._semantics`) on a scratch LoRA client of the same
+        base model; the trained model is untouched (call it before its ``optim_step``).
+
+        Raises:
+          TinkerRequestError: one line naming the service, what was expected and what it did.
+        """
+        if loss_name in self._probed or self.service is None:
+            return
+        self._probed.add(loss_name)
+        if self._scratch is None:
+            future = _submit(
+                self.service.create_lora_training_client,
+                self.base_model,
+                rank=self.lora_rank,
+                seed=0,
+                train_unembed=False,
+            )
+            self._scratch = TinkerTrainer(
+                self._result(future, f"{loss_name} probe: a scratch training client"),
+                base_model=self.base_model,
+                base_url=self.base_url,
+                request_timeout_s=self.request_timeout_s,
+                verify=False,
+            )
+        scratch = self._scratch
+        cancel, control = probe_seqs(loss_name)
+        before = scratch.forward(cancel)
+        scratch.forward_backward(with_logprobs(cancel, before, loss_name), loss_name)
+        scratch.optim_step(PROBE_ADAM)
+        mid = scratch.forward(cancel)
+        scratch.forward_backward(with_logprobs(control, mid[:1], loss_name), loss_name)
+        scratch.optim_step(PROBE_ADAM)
+        after = scratch.forward(cancel[:1])
+        try:
+            probe_verdict(loss_name, before[0], mid[0], after[0])
+        except SemanticsError as exc:
+            raise self._error(str(exc)) from None
 
     # -- server-side custom losses (`runner._protocols.ServerSideLosses`) ----------------------
 
@@ -300,7 +382,7 @@ class TinkerTrainer:
     def _current_sampler(self) -> Any:
         with self._lock:
             if self._sampler is None or self._sampler_version != self._weights_version:
-                future = self.client.save_weights_and_get_sampling_client()
+                future = _submit(self.client.save_weights_and_get_sampling_client)
                 self._sampler = self._result(future, "save_weights_and_get_sampling_client")
                 self._sampler_version = self._weights_version
                 self.counters["sampler_sync"] += 1
@@ -319,9 +401,10 @@ class TinkerTrainer:
         """``num_samples`` completions per prompt at the current weights.
 
         Every prompt is submitted (the last one first) before any result is awaited; prompt
-        ``i`` samples with ``seed = prompt_seed(seed, i)``; ``stop_token_ids`` go to the service as integer stop
-        tokens (an empty list: no stop token, not even an implicit EOS), and each completion is
-        also cut after its first stop token (kept, ``stop_reason="stop"``) in case a service
+        ``i`` samples with the int32 ``seed = prompt_seed(seed, i, num_samples)``
+        (`runner._seeds`); ``stop_token_ids`` go to the service as integer stop tokens (an
+        empty list: no stop token, not even an implicit EOS), and each completion is also cut
+        after its first stop token (kept, ``stop_reason="stop"``) in case a service
         generates past it.
 
         Returns:
@@ -338,7 +421,7 @@ class TinkerTrainer:
             params = types.SamplingParams(
                 max_tokens=max_tokens,
                 temperature=float(temperature),
-                seed=prompt_seed(seed, i),
+                seed=prompt_seed(seed, i, num_samples),
                 stop=list(stops),
             )
             prompt = types.ModelInput.from_ints(arrays[i].tolist())
@@ -375,9 +458,9 @@ class TinkerTrainer:
         if self.service is None:
             raise CheckpointError("load_state needs the ServiceClient (TinkerTrainer(service=...))")
         if with_optimizer:
-            future = self.service.create_training_client_from_state_with_optimizer(ref)
+            future = _submit(self.service.create_training_client_from_state_with_optimizer, ref)
         else:
-            future = self.service.create_training_client_from_state(ref)
+            future = _submit(self.service.create_training_client_from_state, ref)
         client = self._result(future, f"load_state({ref!r})")
         with self._lock:
             self.client = client
@@ -532,8 +615,11 @@ class TinkerTrainer:
         if self.service is None:
             return
         status = "errored" if self._failed else "success"
+        finish = getattr(self.service, "close", None)
+        if finish is None:  # SDK 0.25: no session finish (the session ends with its heartbeat)
+            return
         try:
-            self.service.close(status).result(timeout=self.close_timeout_s)
+            finish(status).result(timeout=self.close_timeout_s)
         except Exception as exc:  # noqa: BLE001 - cleanup must not mask the real outcome
             # (after a failure the service is often unreachable: the failure itself was reported)
             level = logging.DEBUG if self._failed else logging.WARNING
@@ -544,6 +630,32 @@ class TinkerTrainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Done:
+    """A finished call as a future: its value, or its exception re-raised by ``result``."""
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def future(self) -> _Done:
+        return self
+
+
+def _submit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` as a future: SDK 0.38 returns one; SDK 0.25 (what SkyRL tx pins)
+    blocks in ``create_lora_training_client``, ``create_training_client_from_state*`` and
+    ``save_weights_and_get_sampling_client`` and returns the client (docs/tinker.md)."""
+    try:
+        value = fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised by result(), mapped by the caller
+        return _Done(error=exc)
+    return value if callable(getattr(value, "result", None)) else _Done(value)
 
 
 def _first_line(text: str) -> str:
@@ -583,6 +695,18 @@ def connect(tcfg: Any, api_key: str, *, seed: int) -> tuple[Any, Any, Any]:
         )
         client = wait(future)
         rest = tinker.RestClient(base_url=tcfg.base_url, api_key=api_key)
+        future = _submit(
+            service.create_lora_training_client,
+            tcfg.base_model,
+            rank=int(tcfg.lora_rank),
+            seed=int(seed),
+            train_unembed=bool(tcfg.train_unembed),
+        )
+        client = future.result(timeout=tcfg.request_timeout_s)
+        if hasattr(tinker, "RestClient"):
+            rest = tinker.RestClient(base_url=tcfg.base_url, api_key=api_key)
+        else:  # SDK 0.25: the service's own (deprecated in 0.38)
+            rest = service.create_rest_client()
     except BaseException:
         try:  # bounded too: the session may be the call that never answered
             in_daemon_thread(lambda: service.close("errored").result(timeout=5)).result(6)
@@ -627,4 +751,5 @@ def make_trainer(cfg: Any, run_dir: Path | str | None = None) -> TinkerTrainer:
         base_url=t.base_url,
         max_seq_len=cfg.model.max_seq_len,
         request_timeout_s=t.request_timeout_s,
+        lora_rank=t.lora_rank,
     )
