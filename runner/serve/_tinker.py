@@ -237,7 +237,10 @@ async def capabilities(server: Server, request: web.Request) -> web.Response:
 async def client_config(server: Server, request: web.Request) -> web.Response:
     await _parse(server, request, tt.ClientConfigRequest, "client/config")
     flags = {k: v for k, v in server.config.client_config.items() if k in CONFIGURABLE_FLAGS}
-    return json_response({**flags, **_OFF_FLAGS, **_ON_FLAGS, **_VIA_LOAD_FLAGS})
+    on = _ON_FLAGS
+    if server.config.test_cross_entropy == "skyrl":  # SkyRL tx runs no custom losses either
+        on = {name: False for name in _ON_FLAGS}
+    return json_response({**flags, **_OFF_FLAGS, **on, **_VIA_LOAD_FLAGS})
 
 
 async def dynamic_config(server: Server, request: web.Request) -> web.Response:
