@@ -33,31 +33,92 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 from tests import reference_run  # noqa: E402
 
-#: The test files with the most work (CI's ``--durations`` report, 2026-12-01), heaviest first.
-#: They are collected before the rest, so that ``--dist loadfile`` hands them out first and the
-#: two workers finish together; collected alphabetically, a heavy file could start last and run
-#: alone for minutes. The order within a file, and among the other files, is unchanged.
-HEAVY_FILES_FIRST = (
-    "test_fireworks_main_job.py",
-    "test_main_job.py",
-    "test_fused_head.py",
-    "test_benchmarks.py",
-    "test_tinker_main_job.py",
-    "test_hf_trainer.py",
-    "test_hf_decoder_vjp.py",
-    "test_client_loss.py",
-    "test_runner_paths.py",
-    "test_tasks.py",
-    "test_data.py",
-    "test_tinker_lora_job.py",
-    "test_hosted_tasks.py",
-    "test_serve_hf.py",
-)
+#: Seconds of work per test file: each file's test durations summed, from the junit report of a
+#: whole-suite run on two workers (2026-12-03, base 42edb65, under pytest-cov on a
+#: shared, loaded host: ratios, not CI seconds; `.ci/file_seconds.py` makes the table). Two uses:
+#:
+#: * order: files are collected heaviest first (and ``--no-loadscope-reorder`` keeps that order),
+#:   so that ``--dist loadfile`` hands the long files out first and the two workers finish
+#:   together; a file not listed (a new one) counts as 0 s and comes after the listed ones. The
+#:   order within a file is unchanged.
+#: * the ``slow`` marker: every test of a file in `SLOW_FILES`, the heaviest files that together
+#:   take `SLOW_SHARE` of the time. ``pytest -m "not slow"`` is the quick inner loop (a few
+#:   minutes); plain ``pytest`` (the README's command, CI) runs everything.
+FILE_SECONDS: dict[str, float] = {
+    "test_batch.py": 1580,
+    "test_term_properties.py": 1347,
+    "test_policy_family.py": 919,
+    "test_correction.py": 756,
+    "test_fireworks.py": 745,
+    "test_kl_variants.py": 621,
+    "test_local_trainer.py": 614,
+    "test_critic.py": 487,
+    "test_distill.py": 304,
+    "test_fused_head.py": 264,
+    "test_main_job.py": 231,
+    "test_api.py": 128,
+    "test_fireworks_main_job.py": 123,
+    "test_tasks.py": 117,
+    "test_hf_logprobs.py": 115,
+    "test_hf_decoder_vjp.py": 107,
+    "test_kernels.py": 105,
+    "test_tinker_main_job.py": 104,
+    "test_runner_paths.py": 102,
+    "test_calc_env.py": 101,
+    "test_benchmarks.py": 89,
+    "test_preference.py": 83,
+    "test_client_loss.py": 70,
+    "test_hf_trainer.py": 64,
+    "test_hf_parity.py": 60,
+    "test_data.py": 54,
+    "test_twin.py": 53,
+    "test_tinker_lora_job.py": 43,
+    "test_hosted_tasks.py": 40,
+    "test_advantages.py": 34,
+    "test_serve_hf.py": 33,
+    "test_serve.py": 33,
+    "test_echo_env.py": 26,
+    "test_echo_study.py": 25,
+    "test_hf_lora.py": 23,
+    "test_padding.py": 21,
+    "test_tinker.py": 21,
+    "test_fireworks_checkpoints.py": 18,
+    "test_fold.py": 18,
+    "test_fireworks_torch.py": 13,
+    "test_serve_fireworks.py": 11,
+    "test_gc.py": 10,
+    "test_grpo.py": 8,
+    "test_tokenizers.py": 7,
+    "test_examples.py": 7,
+    "test_local_checkpoint.py": 7,
+    "test_split.py": 1,
+    "test_hf_loading.py": 1,
+    "test_protocols.py": 1,
+    "test_sft_translation.py": 0,
+    "test_atomic.py": 0,
+}
+#: The share of `FILE_SECONDS` that the ``slow`` files take together.
+SLOW_SHARE = 0.88
+
+
+def _slow_files() -> frozenset[str]:
+    total, acc, slow = sum(FILE_SECONDS.values()), 0.0, set()
+    for name, seconds in sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        if acc >= SLOW_SHARE * total:
+            break
+        slow.add(name)
+        acc += seconds
+    return frozenset(slow)
+
+
+SLOW_FILES = _slow_files()
 
 
 def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(HEAVY_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0.0))  # a stable sort
 
 
 # -- one compilation cache per session -----------------------------------------------------------
