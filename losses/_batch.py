@@ -257,7 +257,7 @@ class Batch:
     @property
     def shape(self) -> tuple[int, int]:
         """``(B, T)``."""
-        return tuple(self.action_mask.shape)  # type: ignore[return-value]
+        return tuple(self.action_mask.shape)
 
     def replace(self, **changes: Any) -> Batch:
         """A copy with some fields replaced (validated like the constructor).

@@ -562,13 +562,15 @@ def _weighting(rule: MismatchCorrection, log_rho_BT: jax.Array, valid_BT: jax.Ar
     else:
         log_rho = log_rho_BT
     if rule.kind == "tis":
-        log_cap = math.log(rule.cap)  # type: ignore[arg-type]
+        assert rule.cap is not None  # set for tis (MismatchCorrection's rules)
+        log_cap = math.log(rule.cap)
         # exp never overflows (sequence sums reach ±T·max_log_ratio); min keeps C exact.
         rho = jnp.exp(jnp.minimum(log_rho, log_cap + 1.0))
         flagged = rho > rule.cap
         c = jnp.minimum(rho, rule.cap)
     else:
-        log_high = math.log(rule.high)  # type: ignore[arg-type]
+        assert rule.low is not None and rule.high is not None  # set for mis and icepop
+        log_high = math.log(rule.high)
         rho = jnp.exp(jnp.minimum(log_rho, log_high + 1.0))
         accept = (rho >= rule.low) & (rho <= rule.high)
         flagged = ~accept
@@ -655,6 +657,7 @@ def _opsm(rule: MismatchCorrection, batch: Batch, valid_BT: jax.Array, logprobs:
     dtype = diff.dtype
     n = jnp.sum(valid_BT.astype(dtype), axis=1, keepdims=True)
     mean = jnp.sum(diff, axis=1, keepdims=True) / jnp.maximum(n, 1.0)  # [B, 1]
+    assert rule.delta is not None  # set for opsm
     drop = valid_BT & (adv < 0) & (mean > rule.delta)
     frac = masked_mean(drop.astype(dtype), valid_BT)
     log_ratio = jnp.clip(-diff, -rule.max_log_ratio, rule.max_log_ratio)
@@ -693,6 +696,7 @@ def _weights(rules, batch, valid_BT, logprobs, *, indexed: bool):
         c_BT = rule_c if c_BT is None else c_BT * rule_c
         name = f"mismatch_{i}_{flag}_frac" if indexed else f"mismatch_{flag}_frac"
         metrics[name] = jax.lax.stop_gradient(frac)
+    assert c_BT is not None and diag is not None  # at least one rule
     c_BT = jax.lax.stop_gradient(c_BT)
     rho = jax.lax.stop_gradient(jnp.exp(diag))
     dtype = rho.dtype

@@ -259,7 +259,7 @@ def reverse_kl_distillation(
     anchored = form in ("importance_sampling", "ref_kl")
     requires = {"action_mask", "teacher_logprobs"} | ({"old_logprobs"} if anchored else set())
 
-    def loss_fn(logprobs, batch: Batch):
+    def loss_fn(logprobs, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         lp = check_logprobs_shape(logprobs, batch)
         batch = jax.lax.stop_gradient(batch)
         valid = batch.action_mask > 0
@@ -278,6 +278,7 @@ def reverse_kl_distillation(
             terms = -ratio * adv
             metrics["adv_mean"] = masked_mean(adv, valid)
         elif form == "ref_kl":
+            assert kl_tau is not None and prob_delta_low is not None  # checked above
             q_v = safe(jax.lax.stop_gradient(anchor), valid)
             p_sg = jax.lax.stop_gradient(lp_v)
             keep = valid & (jnp.exp(p_sg) - jnp.exp(q_v) >= -prob_delta_low)
@@ -484,7 +485,7 @@ def _topk_forward(s: jax.Array, t: jax.Array, valid: jax.Array, spec: _TopKSpec)
     if spec.kind == "forward":
         d = safe(_kl_entries(lt, ls, tail_t, tail_s), v)
         b = None if tail_t is None else -jnp.exp(tail_t)
-        sa = -1.0
+        sa: jax.Array | float = -1.0
     elif spec.kind == "reverse":
         d = safe(_kl_entries(ls, lt, tail_s, tail_t), v)
         b = None if tail_s is None else jnp.exp(tail_s) * (tail_s - tail_t + 1.0)
@@ -495,7 +496,7 @@ def _topk_forward(s: jax.Array, t: jax.Array, valid: jax.Array, spec: _TopKSpec)
             tail_m = _mix(spec, tail_s, tail_t)
             d = _mix_sum(lt, mix, (tail_t, tail_m)) + _mix_sum(ls, mix, (tail_s, tail_m), 1)
             d = safe(d, v)
-            parts = (d,)
+            parts: tuple[jax.Array, ...] = (d,)
             b = tail_m[1] * (tail_s - tail_m[2])
         else:  # (1-β)·KL(S‖M) is also a statistic: its own pass (entries filled with -0.0)
             ls = tuple(e - cs for e in _entries(s, valid, fill=-0.0))
@@ -741,7 +742,7 @@ def _topk_term(
     max_tokens: float | None,
     config: dict,
 ) -> Term:
-    def loss_fn(logprobs, batch: Batch):
+    def loss_fn(logprobs, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         s = _check_topk_shape(logprobs, batch, where)
         batch = jax.lax.stop_gradient(batch)
         valid = batch.action_mask > 0

@@ -79,7 +79,7 @@ def echo_env(*, coef: float = 0.05, normalization: str = "seq_mean_token_mean") 
     check_choice(where, "normalization", normalization, ENV_NORMALIZATIONS)
     config = dict(coef=coef, normalization=normalization)
 
-    def loss_fn(logprobs, batch: Batch):
+    def loss_fn(logprobs, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         lp = check_logprobs_shape(logprobs, batch)
         batch = jax.lax.stop_gradient(batch)
         w = echo_env_weights(batch, coef=coef, normalization=normalization)

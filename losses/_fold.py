@@ -75,7 +75,7 @@ def fold(*terms: Any) -> Term:
             "read the same array"
         )
 
-    def loss_fn(logprobs, batch: Batch):
+    def loss_fn(logprobs, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         total = None
         metrics = {}
         for name, term in frozen:
@@ -114,7 +114,7 @@ def fold(*terms: Any) -> Term:
         is_zero=all(getattr(t, "is_zero", False) for _, t in frozen),
         # A fold reads what its parts read (undeclared if any part is undeclared); each part
         # checks its own required fields when called.
-        reads=None if any(r is None for r in declared) else frozenset().union(*declared),
+        reads=None if None in declared else frozenset().union(*filter(None, declared)),
         validate=validate if validators else None,
         argument=arguments.pop() if arguments else "logprobs",
         # A sum of per-datum losses is one: the fold decomposes when every part does.

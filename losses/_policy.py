@@ -152,7 +152,7 @@ def policy_term(
     if corr is not None or kl_coef > 0.0 or not exact_ratio:
         twin = None
 
-    def loss_fn(logprobs, batch: Batch):
+    def loss_fn(logprobs, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         lp = check_logprobs_shape(logprobs, batch)
         batch = jax.lax.stop_gradient(batch)
         q = require(batch, anchor, kind)

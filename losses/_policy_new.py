@@ -619,7 +619,7 @@ def kl_loss(
     requires = {"action_mask", target} | ({"old_logprobs"} if importance_weight else set())
     reads = frozenset(requires) | reduction_reads(reduction, "action")
 
-    def loss_fn(logprobs, batch: Batch):
+    def loss_fn(logprobs, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         lp = check_logprobs_shape(logprobs, batch)
         batch = jax.lax.stop_gradient(batch)
         valid = batch.action_mask > 0

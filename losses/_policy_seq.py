@@ -319,7 +319,7 @@ def gmpo(
             jnp.where(adv < 0, jnp.maximum(log_ratio, -el), zero),
         )
         log_rho, n = _row_mean(x, m)
-        abar, _ = _row_mean(adv, m)
+        abar = _row_mean(adv, m)[0]
         rho = jnp.exp(log_rho)
         loss_B1 = -abar * rho
         terms = jnp.broadcast_to(loss_B1, log_ratio.shape)

@@ -261,7 +261,7 @@ def _pair_term(*, name: str, kind: str, config: dict, with_ref: bool, per_pair) 
     """
     where = kind
 
-    def loss_fn(logprobs, batch: Batch):
+    def loss_fn(logprobs, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         lp = check_logprobs_shape(logprobs, batch)
         _check_even_rows(lp.shape[0], where)
         batch = jax.lax.stop_gradient(batch)
@@ -405,7 +405,7 @@ def dpo(
         c = st["s_c"] - st["r_c"]
         rho = st["s_r"] - st["r_r"]
         x = beta * (c - rho)
-        bar = None
+        bar: Any = None  # the length-averaged margin of the _DPO_AVERAGED types
         if loss_type in _DPO_AVERAGED:
             bar = c / st["n_c"] - rho / st["n_r"]
         on_sorted = None
@@ -776,7 +776,7 @@ def kto(
     check_choice(where, "loss_type", loss_type, KTO_LOSS_TYPES)
     with_baseline = loss_type == "kto"
 
-    def loss_fn(logprobs, batch: Batch):
+    def loss_fn(logprobs, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         lp = check_logprobs_shape(logprobs, batch)
         batch = jax.lax.stop_gradient(batch)
         s, r, n = _row_stats(lp, batch, True, where)

@@ -34,7 +34,7 @@ def sft_cross_entropy(*, reduction: str = "token_mean", max_tokens: float | None
     where = "sft_cross_entropy"
     validate_reduction(reduction, max_tokens, where=where)
 
-    def loss_fn(logprobs, batch: Batch):
+    def loss_fn(logprobs, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         lp = check_logprobs_shape(logprobs, batch)
         batch = jax.lax.stop_gradient(batch)
         valid = batch.action_mask > 0
@@ -82,7 +82,7 @@ def weighted_cross_entropy() -> Term:
     """
     where = "weighted_cross_entropy"
 
-    def loss_fn(logprobs, batch: Batch):
+    def loss_fn(logprobs, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         lp = check_logprobs_shape(logprobs, batch)
         batch = jax.lax.stop_gradient(batch)
         w = require(batch, "weights", where)

@@ -2,6 +2,7 @@
 
 from runner import env
 from runner._client_loss import ClientLoss, PassCounter
+from runner._kernels import KERNEL_NAMES as BUILTIN_LOSSES
 from runner._padding import normalizers
 from runner._protocols import (
     Capabilities,
@@ -11,19 +12,18 @@ from runner._protocols import (
     LoadsWeights,
     RichCheckpoints,
     Sampling,
+    Trainer,
     capabilities,
     require,
 )
 from runner._step import MODES, Plan, StepRunner, plan_step
 from runner._types import (
-    BUILTIN_LOSSES,
     NORMALIZATIONS,
     AdamParams,
     ForwardBackwardResult,
     NonFiniteUpdateError,
     Sample,
     Seq,
-    Trainer,
     make_seq,
     validate_seqs,
 )

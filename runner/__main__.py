@@ -14,6 +14,38 @@ INTERRUPTED = 130
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "default.toml"
 
+#: The ``train`` / ``sft`` flags that each set one config key: ``(flag, key, add_argument
+#: keywords)``. `main` turns each one given into ``--set key=value`` (before the ``--set`` ones).
+KEY_FLAGS: tuple[tuple[str, str, dict], ...] = (
+    (
+        "--backend",
+        "run.backend",
+        dict(choices=("local", "fireworks", "tinker"), help="trainer backend (default: local)"),
+    ),
+    ("--name", "run.name", dict(help="run name: outputs go to <output_dir>/<name>")),
+    ("--output-dir", "run.output_dir", dict(help="where runs are written (default: runs)")),
+    ("--seed", "run.seed", dict(type=int)),
+    ("--sft-steps", "sft.steps", dict(type=int)),
+    (
+        "--data",
+        "sft.data",
+        dict(help="SFT records (JSONL: chat messages or prompt/completion)"),
+    ),
+    ("--eval-data", "sft.eval_data", dict(help="held-out SFT records for the eval NLL (JSONL)")),
+    (
+        "--epochs",
+        "sft.epochs",
+        dict(type=int, help="SFT epochs over --data (sets the SFT step count)"),
+    ),
+    ("--rl-steps", "rl.steps", dict(type=int)),
+    ("--checkpoint-interval", "checkpoint.interval", dict(type=int)),
+    (
+        "--env-coef",
+        "rl.env_coef",
+        dict(type=float, help="ECHO env-loss coefficient (0 = plain GRPO)"),
+    ),
+)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runner", description=__doc__)
@@ -26,23 +58,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument(
             "--config", default=None, help="TOML config (default: examples/default.toml)"
         )
-        s.add_argument(
-            "--backend",
-            choices=("local", "fireworks", "tinker"),
-            help="trainer backend (default: local)",
-        )
-        s.add_argument("--name", help="run name: outputs go to <output_dir>/<name>")
-        s.add_argument("--output-dir", help="where runs are written (default: runs)")
-        s.add_argument("--seed", type=int)
-        s.add_argument("--sft-steps", type=int)
-        s.add_argument("--data", help="SFT records (JSONL: chat messages or prompt/completion)")
-        s.add_argument("--eval-data", help="held-out SFT records for the eval NLL (JSONL)")
-        s.add_argument(
-            "--epochs", type=int, help="SFT epochs over --data (sets the SFT step count)"
-        )
-        s.add_argument("--rl-steps", type=int)
-        s.add_argument("--checkpoint-interval", type=int)
-        s.add_argument("--env-coef", type=float, help="ECHO env-loss coefficient (0 = plain GRPO)")
+        for flag, _, kwargs in KEY_FLAGS:
+            s.add_argument(flag, **kwargs)
         s.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
         s.add_argument(
             "--restart",
@@ -158,20 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return _report(args)
     overrides = list(args.set)
-    for flag, key in (
-        ("backend", "run.backend"),
-        ("name", "run.name"),
-        ("output_dir", "run.output_dir"),
-        ("seed", "run.seed"),
-        ("sft_steps", "sft.steps"),
-        ("data", "sft.data"),
-        ("eval_data", "sft.eval_data"),
-        ("epochs", "sft.epochs"),
-        ("rl_steps", "rl.steps"),
-        ("checkpoint_interval", "checkpoint.interval"),
-        ("env_coef", "rl.env_coef"),
-    ):
-        value = getattr(args, flag)
+    for flag, key, _ in KEY_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             overrides.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
     if args.epochs is not None and args.sft_steps is None:

@@ -53,7 +53,7 @@ import numpy as np
 
 import losses
 
-if TYPE_CHECKING:  # runner._types imports this module (BUILTIN_LOSSES)
+if TYPE_CHECKING:
     from runner._types import Seq
 
 PROVENANCES = ("documented", "inferred", "undocumented")
@@ -446,7 +446,9 @@ _SPECS = (
 )
 #: Kernel name → `KernelSpec`, in table order (read-only).
 KERNELS: Mapping[str, KernelSpec] = types.MappingProxyType({s.name: s for s in _SPECS})
-#: Every kernel name, in table order (`runner.BUILTIN_LOSSES`).
+#: Every kernel name, in table order: the built-in server kernels (Fireworks ``LossFnType``
+#: names) a trainer may implement, exported as `runner.BUILTIN_LOSSES`. Each backend declares the
+#: subset it runs as ``trainer.builtin_losses``.
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 #: Keys every kernel takes.
 GENERIC_KEYS: tuple[str, ...] = tuple(_GENERIC)

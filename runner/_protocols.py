@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:  # runner._types re-exports `Trainer` from here: no import at runtime
+if TYPE_CHECKING:
     import numpy as np
 
     from runner._types import AdamParams, ForwardBackwardResult, Sample, Seq

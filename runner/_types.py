@@ -1,4 +1,5 @@
-"""The runner's data types; re-exports the `Trainer` protocol (`runner._protocols`).
+"""The runner's data types (the `Trainer` protocol is `runner._protocols`; the kernel table
+`runner._kernels`); this module imports neither.
 
 A `Seq` mirrors a Fireworks/Tinker ``Datum``: the full token sequence ``x[0..N-1]`` (the model
 input is ``x[:-1]``, the targets are ``x[1:]``) plus named per-token arrays of length ``N-1``,
@@ -20,16 +21,8 @@ from typing import Any
 import numpy as np
 
 import losses
-from runner._kernels import KERNEL_NAMES, KERNELS
+from runner._kernels import KERNELS
 
-# The `Trainer` protocol (and the optional capabilities) live in runner._protocols.
-from runner._protocols import Trainer  # noqa: F401 - re-exported
-
-#: Every built-in server kernel (Fireworks ``LossFnType`` names) a trainer may implement: the
-#: names of the one kernel table, `runner._kernels` (table order). Each backend declares the subset
-#: it runs as ``trainer.builtin_losses``; the documented (Tinker) five are
-#: `runner._kernels.DOCUMENTED_KERNELS`.
-BUILTIN_LOSSES = KERNEL_NAMES
 #: ``optim_step`` gradient-accumulation normalization modes (Fireworks ``GradAccNormalization``).
 NORMALIZATIONS = ("none", "num_loss_tokens", "num_sequences")
 

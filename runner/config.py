@@ -443,9 +443,11 @@ def validate(cfg: Config) -> None:
             f"config [rl].advantage_estimator must be one of {losses.ESTIMATORS}, got "
             f"{cfg.rl.advantage_estimator!r}"
         )
-    if cfg.rl.mode not in ("auto", "client", "builtin", "two_pass"):
+    from runner._step import MODES  # the step runner's one list
+
+    if cfg.rl.mode not in MODES:
         raise ValueError(
-            f"config [rl].mode must be auto, client, builtin or two_pass, got {cfg.rl.mode!r}"
+            f"config [rl].mode must be {', '.join(MODES[:-1])} or {MODES[-1]}, got {cfg.rl.mode!r}"
         )
     if cfg.rl.loss_kwargs and not cfg.rl.loss:
         raise ValueError(

@@ -269,7 +269,7 @@ def test_sigkill_and_a_killed_server_resume_to_the_local_run(local_run, tmp_path
         if phase == "start":  # then resumed on a new trainer job
             return _train_args(out, *_fw_args(url))
         if phase == "resume":
-            return _train_args(out, "--resume", *_fw_args(url, "fireworks.request_timeout_s=8"))
+            return _train_args(out, "--resume", *_fw_args(url, "fireworks.request_timeout_s=20"))
         return _train_args(
             out, "--resume", *_fw_args(url, "fireworks.output_model_id='tiny-final'")
         )

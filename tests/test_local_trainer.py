@@ -155,6 +155,23 @@ def test_protocol_and_config_defaults():
         LocalTrainerConfig(dtype="bfloat16")
 
 
+def test_the_jit_factories_are_bounded_caches():
+    """A long-lived server meets new (model, kernel configuration) keys for as long as it runs:
+    every memoized factory of the trainer and the kernel table keeps at most `JIT_CACHE_SIZE`."""
+    from runner.local import kernels
+    from runner.local import trainer as trainer_module
+
+    factories = [
+        f
+        for module in (trainer_module, kernels)
+        for f in vars(module).values()
+        if callable(getattr(f, "cache_parameters", None))
+    ]
+    assert len(factories) >= 9  # the trainer's eight jit factories and linear_gradient
+    for f in factories:
+        assert f.cache_parameters()["maxsize"] == kernels.JIT_CACHE_SIZE, f.__name__
+
+
 def test_kernel_table_covers_builtin_losses_and_twins():
     # the local trainer runs the whole kernel table (runner._kernels)
     assert LocalTrainer.builtin_losses == tuple(BUILTIN_LOSSES) == tuple(KERNELS)

@@ -15,6 +15,7 @@ import pytest
 
 from runner import checkpoints as ckpt
 from runner.config import load_config
+from tests.reference_run import tiny_reference_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny.toml"
@@ -31,22 +32,8 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def _cmd(out: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "runner",
-        "train",
-        "--config",
-        str(TINY),
-        "--output-dir",
-        str(out),
-        "--no-progress",
-        "--checkpoint-interval",
-        "1",
-        "--set",
-        "checkpoint.save_promotable=true",
-        *extra,
-    ]
+    """The reference run's command (`tests.reference_run`), into ``out``, then ``extra``."""
+    return [sys.executable, "-m", "runner", *tiny_reference_args(out, *extra)]
 
 
 def _final_weights(run_dir: Path) -> dict[str, np.ndarray]:
@@ -58,11 +45,9 @@ def _final_weights(run_dir: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    proc = subprocess.run(_cmd(out), env=_env(out), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out / "tiny", proc.stdout
+def uninterrupted(tiny_reference_run):
+    """The uninterrupted run of `_cmd`: conftest's session-wide reference run."""
+    return tiny_reference_run
 
 
 def test_end_to_end_outputs_are_well_formed(uninterrupted):

@@ -511,7 +511,9 @@ def test_per_prompt_requests_reproduce_one_local_sample_call(served, service):
         i: sampler.sample(
             types.ModelInput.from_ints(prompts[i]),
             3,
-            types.SamplingParams(max_tokens=8, temperature=1.0, seed=prompt_seed(42, i, 3), stop=[1]),
+            types.SamplingParams(
+                max_tokens=8, temperature=1.0, seed=prompt_seed(42, i, 3), stop=[1]
+            ),
         )
         for i in order
     }

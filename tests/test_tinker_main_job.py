@@ -18,8 +18,6 @@ Either way the per-step metrics equal the local run's and the final parameters a
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -31,8 +29,8 @@ pytest.importorskip("aiohttp")
 from runner import __main__ as cli  # noqa: E402
 from runner import checkpoints as ckpt  # noqa: E402
 from runner.serve import ServeConfig, ServerThread, parse_model_flags  # noqa: E402
+from tests.reference_run import tiny_reference_args  # noqa: E402
 from tests.wire_helpers import (  # noqa: E402
-    TINY,
     Faults,
     ServeProcess,
     assert_no_key,
@@ -57,19 +55,8 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def _train_args(out: Path, *extra: str) -> list[str]:
-    return [
-        "train",
-        "--config",
-        str(TINY),
-        "--output-dir",
-        str(out),
-        "--no-progress",
-        "--checkpoint-interval",
-        "1",
-        "--set",
-        "checkpoint.save_promotable=true",
-        *extra,
-    ]
+    """The reference run's arguments (`tests.reference_run`), into ``out``, then ``extra``."""
+    return tiny_reference_args(out, *extra)
 
 
 def _tinker_args(url: str, timeout_s: float = 60.0) -> list[str]:
@@ -106,12 +93,10 @@ def _assert_tinker_manifests(run_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def local_cli_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("local")
-    cmd = [sys.executable, "-m", "runner", *_train_args(out)]
-    proc = subprocess.run(cmd, env=_env(out), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out / "tiny"
+def local_cli_run(tiny_reference_run):
+    """``--backend local`` in a child process with `_train_args`: conftest's session-wide
+    reference run."""
+    return tiny_reference_run[0]
 
 
 def _server(state: Path, env: dict[str, str], log: Path) -> ServeProcess:

@@ -86,7 +86,14 @@ def term(kernel_name: str, frozen: tuple) -> losses.Term:
     return KERNELS[kernel_name].term(dict(frozen))
 
 
-@functools.cache
+#: Entries kept by each memoized jit factory of the local trainer (and by `linear_gradient`): one
+#: per (model, kernel configuration, sharding, ...) key. A long-lived server meets new keys for as
+#: long as it runs; beyond this many, the least recently used factory result is dropped, and its
+#: compiled executables with it.
+JIT_CACHE_SIZE = 64
+
+
+@functools.lru_cache(maxsize=JIT_CACHE_SIZE)
 def linear_gradient(kernel_name: str, frozen: tuple) -> Callable[[losses.Batch], Any] | None:
     """``batch -> dL/dlogprobs[B, T]`` for a kernel whose term is linear in the logprobs, else
     ``None``.

@@ -127,7 +127,9 @@ class LocalTrainerConfig:
             raise ValueError(f"LocalTrainerConfig.init_std must be > 0, got {self.init_std!r}")
 
     def _check_decoder(self) -> None:
-        from runner.local.models import DecoderConfig, LoraConfig
+        # The submodules, not the package (whose `_arch` imports this module).
+        from runner.local.models._config import DecoderConfig
+        from runner.local.models._lora import LoraConfig
 
         dec = self.decoder
         if not isinstance(dec, DecoderConfig):
@@ -203,7 +205,7 @@ class LocalTrainerConfig:
         Raises:
           FileNotFoundError, ValueError: naming the file and key (`runner.local.models`).
         """
-        from runner.local.models import read_config
+        from runner.local.models._hf_io import read_config
 
         decoder, _ = read_config(path)
         fields.setdefault("max_seq_len", min(decoder.max_position_embeddings, 4096))

@@ -119,7 +119,7 @@ def make_arch(cfg: LocalTrainerConfig) -> Gpt2Arch | DecoderArch:
     return DecoderArch(cfg.decoder, cfg.chunk, scale, cfg.unroll_layers)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=kernels.JIT_CACHE_SIZE)
 def _forward_jit(arch: Gpt2Arch | DecoderArch, rows: NamedSharding):
     def forward(params, frozen, tokens, lengths):
         TRACE_COUNTS["forward"] += 1
@@ -128,7 +128,7 @@ def _forward_jit(arch: Gpt2Arch | DecoderArch, rows: NamedSharding):
     return jax.jit(forward, out_shardings=rows)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=kernels.JIT_CACHE_SIZE)
 def _model_vjp_jit(arch: Gpt2Arch | DecoderArch):
     """Model forward returning ``(logprobs, pullback)``; the pullback (a `jax.vjp` function) is a
     pytree of residuals, so the backward runs in a separate jitted call (`_backward_jit`) and the
@@ -149,7 +149,7 @@ def _nonzero_grad_tokens(g_lp: jax.Array, batch: losses.Batch) -> jax.Array:
     return jnp.sum(nonzero.astype(jnp.int32), axis=1)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=kernels.JIT_CACHE_SIZE)
 def _kernel_jit(kernel_name: str, frozen: tuple, rep: NamedSharding):
     """``(loss, metrics, dL/dlogprobs, non-zero-gradient tokens per row)`` of one kernel."""
     term = kernels.term(kernel_name, frozen)
@@ -164,7 +164,7 @@ def _kernel_jit(kernel_name: str, frozen: tuple, rep: NamedSharding):
     return jax.jit(kernel, out_shardings=(rep, rep, None, None))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=kernels.JIT_CACHE_SIZE)
 def _linear_forward_backward_jit(
     arch: Gpt2Arch | DecoderArch, kernel_name: str, frozen: tuple, rep: NamedSharding
 ):
@@ -198,7 +198,7 @@ def _linear_forward_backward_jit(
     return jax.jit(forward_backward, out_shardings=(None, rep, rep, None, rep))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=kernels.JIT_CACHE_SIZE)
 def _backward_jit(rep: NamedSharding):
     """``acc + pullback(dL/dlogprobs)``: the parameter gradient, summed into the accumulator."""
 
@@ -210,7 +210,7 @@ def _backward_jit(rep: NamedSharding):
     return jax.jit(backward, out_shardings=rep)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=kernels.JIT_CACHE_SIZE)
 def _optim_step_jit(dtype_name: str, rep: NamedSharding):
     tx = _make_optimizer(jnp.dtype(dtype_name))
 
@@ -243,7 +243,7 @@ def _optim_step_jit(dtype_name: str, rep: NamedSharding):
     return jax.jit(step, out_shardings=rep)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=kernels.JIT_CACHE_SIZE)
 def _sample_jit(cache_len: int, arch: Gpt2Arch | DecoderArch, rows: NamedSharding):
     def sample(params, frozen, *args):
         TRACE_COUNTS["sample"] += 1
@@ -252,7 +252,7 @@ def _sample_jit(cache_len: int, arch: Gpt2Arch | DecoderArch, rows: NamedShardin
     return jax.jit(sample, out_shardings=rows)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=kernels.JIT_CACHE_SIZE)
 def _init_jit(dtype_name: str, rep: NamedSharding):
     tx = _make_optimizer(jnp.dtype(dtype_name))
     return jax.jit(tx.init, out_shardings=rep), jax.jit(

@@ -272,14 +272,10 @@ class SamplingRoutes:
         if arr.max() >= 2**31:
             raise user_error("completions: prompt token id too large")
         arr = arr.astype(np.int32)
-        probe = SampleJob(
-            sampler_id, arr, n, max_tokens, temperature, base_seed, index, ()
-        )
+        probe = SampleJob(sampler_id, arr, n, max_tokens, temperature, base_seed, index, ())
         server.engine.check_sample(entry, probe)
         fut = asyncio.get_running_loop().create_future()
-        wanted = Wanted(
-            sampler_id, arr, base_seed, index, n, max_tokens, temperature, echo, fut
-        )
+        wanted = Wanted(sampler_id, arr, base_seed, index, n, max_tokens, temperature, echo, fut)
         self._coalescer(server).submit(wanted)
         samples, plp = await fut
         started = wanted.dispatched or wanted.arrived
