@@ -118,5 +118,5 @@ def fold(*terms: Any) -> Term:
         validate=validate if validators else None,
         argument=arguments.pop() if arguments else "logprobs",
         # A sum of per-datum losses is one: the fold decomposes when every part does.
-        per_datum=None if any(f is None for f in forms) else union(forms),
+        per_datum=None if any(f is None for f in forms) else union([f for f in forms if f]),
     )
