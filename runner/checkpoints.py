@@ -197,23 +197,36 @@ def load_resumable(
     with_optimizer: bool = True,
     caps: Capabilities | None = None,
     run_dir: Path | None = None,
+    expected_name: str | None = None,
 ) -> None:
     """Loads the resumable state a manifest names (a relative path: inside ``run_dir``), after
     verifying its files' digests.
 
+    ``expected_name``: the name the state must have been saved under (the manifest's own step
+    and run: a ``resumable`` block copied from another step's manifest is not this step's).
+
     Raises:
-      CheckpointError: no identity, a reference outside the run, a digest mismatch, or the
-        backend cannot load it (its error, on one line).
+      CheckpointError: no identity, another state's identity, a reference outside the run, a
+        digest mismatch, or the backend cannot load it (its error, on one line).
     """
-    if _caps(trainer, caps).rich_checkpoints:
-        trainer.load_resumable(identity, with_optimizer=with_optimizer)
-        return
+    rich = _caps(trainer, caps).rich_checkpoints
     ref = identity.get("provider_path")
-    if not ref:
+    if not rich and not ref:
         raise CheckpointError(
             "checkpoint manifest has no resolved identity for the resumable state "
             "(provider_path is missing): refusing to resume from an unknown checkpoint"
         )
+    # (a hosted control plane may rename the state; the name the runner asked for is recorded)
+    saved = identity.get("requested_checkpoint_name", identity.get("checkpoint_name"))
+    if expected_name is not None and saved != expected_name:
+        raise CheckpointError(
+            f"checkpoint manifest's resumable state is {saved!r}, not "
+            f"the state saved as {expected_name!r} at this step: refusing to load state saved "
+            "at another step or by another run"
+        )
+    if rich:
+        trainer.load_resumable(identity, with_optimizer=with_optimizer)
+        return
     path = resolve_ref(ref, run_dir, "provider_path")
     if run_dir is not None:
         verify_files(run_dir, identity, "provider_path", f"resumable state {ref}")

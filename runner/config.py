@@ -230,16 +230,37 @@ class Config:
         (`identity_of`), so a key added in a later release -- whose default keeps the old
         behaviour -- leaves the identity of a run saved before it unchanged, and the run resumes.
         """
-        d = self.to_dict()
-        d["run"] = {"seed": d["run"]["seed"], "backend": d["run"]["backend"]}
-        d["sft"] = {k: v for k, v in d["sft"].items() if k != "steps"}
-        d["rl"] = {k: v for k, v in d["rl"].items() if k != "steps"}
-        d.pop("checkpoint")
-        d.pop("log")  # where copies of the metrics go
-        # where the service is (a resume may use another URL), not what it computes
-        d["fireworks"] = {}
-        d["tinker"] = {}
-        return identity_of(d, Config().to_dict())
+        return identity_of(identity_settings(self.to_dict()), Config().to_dict())
+
+
+def identity_settings(d: dict[str, Any]) -> dict[str, Any]:
+    """The part of a `Config.to_dict` that `Config.identity` hashes (a new dict)."""
+    d = {k: dict(v) for k, v in d.items() if isinstance(v, Mapping)}
+    d["run"] = {"seed": d["run"]["seed"], "backend": d["run"]["backend"]}
+    d["sft"] = {k: v for k, v in d["sft"].items() if k != "steps"}
+    d["rl"] = {k: v for k, v in d["rl"].items() if k != "steps"}
+    d.pop("checkpoint", None)
+    d.pop("log", None)  # where copies of the metrics go
+    # where the service is (a resume may use another URL), not what it computes
+    d["fireworks"] = {}
+    d["tinker"] = {}
+    return d
+
+
+def identity_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """``[section].key = old -> new`` for each hashed setting that differs between two
+    `Config.to_dict` records (a missing key reads as its default)."""
+    defaults = identity_settings(Config().to_dict())
+    a, b = identity_settings(dict(old)), identity_settings(dict(new))
+    out = []
+    for section in sorted(set(a) | set(b) | set(defaults)):
+        base = defaults.get(section, {})
+        sa, sb = a.get(section, {}), b.get(section, {})
+        for key in sorted(set(sa) | set(sb)):
+            va, vb = sa.get(key, base.get(key)), sb.get(key, base.get(key))
+            if va != vb:
+                out.append(f"[{section}].{key} = {va!r} -> {vb!r}")
+    return out
 
 
 def identity_of(settings: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
@@ -527,7 +548,9 @@ def _validate_task(cfg: Config) -> None:
         model = local_trainer_config(
             cfg.model, vocab_size=tokenizer.vocab_size, seed=0, checkpoint_dir=None
         ).decoder
-        if model.vocab_size > tokenizer.vocab_size:
+        # a checkpoint's own tokenizer may have fewer ids than its (padded) embedding, as
+        # Qwen3's does; the built-in character tokenizer never matches a foreign checkpoint
+        if model.vocab_size > tokenizer.vocab_size and not cfg.tokenizer.path:
             raise ValueError(
                 f"config [model].path: the checkpoint's vocab_size {model.vocab_size} is larger "
                 f"than the tokenizer's {tokenizer.vocab_size}: the ids it can sample beyond the "

@@ -30,7 +30,7 @@ from runner._lock import check_unlocked, run_lock
 from runner._protocols import Capabilities, Trainer, capabilities, require
 from runner._step import StepRunner
 from runner._types import NonFiniteUpdateError
-from runner.config import Config, reference_reason, rl_loss
+from runner.config import Config, identity_diff, reference_reason, rl_loss
 from runner.job import build_job, build_tokenizer, check_job
 from runner.steps import eval_nll, eval_problems, evaluate, rl_step, sft_step
 from runner.tracking import STATE_FILE, Tracking
@@ -92,6 +92,14 @@ class MetricsLog:
                     raise ckpt.CheckpointError(f"{path} line {number} is not a JSON object")
                 if rec.get("step", 0) <= resume_after:
                     self.records.append(rec)
+        if resume_after is not None and not any(
+            r.get("step") == resume_after for r in self.records
+        ):  # emptied, deleted or cut: resuming would lose the history silently
+            state = "is missing" if not path.exists() else "has no record of that step"
+            raise ckpt.CheckpointError(
+                f"--resume: the checkpoint is at step {resume_after} but {path} {state}: the "
+                "run's metrics before it would be lost; restore the file from a backup"
+            )
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def append(self, record: dict[str, Any]) -> None:
@@ -108,6 +116,17 @@ def _clear_unfinished(run_dir: Path) -> None:
     (run_dir / STATE_FILE).unlink(missing_ok=True)  # (the W&B run of the new id is another run)
     for name in ("checkpoints", "trainer", "reference_trainer", "tensorboard"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
+
+
+def _changed_keys(run_dir: Path, cfg: Config) -> str:
+    """``": [sft].learning_rate = 0.003 -> 0.1, ..."``: the settings that differ from the run's
+    ``config.json`` (its last start's), or ``""`` when it cannot be read."""
+    try:
+        old = json.loads((run_dir / "config.json").read_text())
+        changed = identity_diff(old, cfg.to_dict()) if isinstance(old, dict) else []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+    return f": {', '.join(changed)}" if changed else ""
 
 
 def _check_resume_steps(cfg: Config, latest: int, run_state: dict[str, Any]) -> None:
@@ -334,7 +353,8 @@ def run(
         if saved != cfg.identity():
             raise ckpt.CheckpointError(
                 f"--resume: the config differs from the checkpointed run's (identity {saved} vs "
-                f"{cfg.identity()}); only step counts, names and checkpoint settings may change"
+                f"{cfg.identity()}{_changed_keys(run_dir, cfg)}); only step counts, names and "
+                "checkpoint settings may change"
             )
         if manifest["backend"] != cfg.run.backend:
             raise ckpt.CheckpointError(
@@ -350,11 +370,10 @@ def run(
                 f"({run_dir / RUN_FILE}); refusing to load another run's state"
             )
         expected = checkpoint_name(run_id, latest)
-        named = {manifest.get("saved_as"), manifest["resumable"]["checkpoint_name"]}
-        if named != {expected}:  # the state's own identity: this run's, this step's
+        if manifest.get("saved_as") != expected:
             raise ckpt.CheckpointError(
                 f"--resume: checkpoint step {latest} names resumable state "
-                f"{' and '.join(sorted(map(repr, named)))}, not this run's {expected!r}: "
+                f"{manifest.get('saved_as')!r}, not this run's {expected!r}: "
                 "refusing to load state saved at another step or by another run"
             )
         start = latest + 1
@@ -406,7 +425,12 @@ def run(
                 check_capabilities(cfg, caps, start=start)
             if manifest is not None:
                 ckpt.load_resumable(
-                    trainer, manifest["resumable"], with_optimizer=True, caps=caps, run_dir=run_dir
+                    trainer,
+                    manifest["resumable"],
+                    with_optimizer=True,
+                    caps=caps,
+                    run_dir=run_dir,
+                    expected_name=manifest["saved_as"],
                 )
             log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
             tracking = Tracking.open(cfg, run_dir, run_id, log.records, resume=resume)

@@ -131,6 +131,10 @@ def test_kill_and_resume_matches_the_uninterrupted_run(uninterrupted, tmp_path):
             assert r0["reward"] == r1["reward"]  # the same samples, step for step
 
 
+def changed_args(tmp_path):
+    return [f'run.output_dir="{tmp_path}"', "rl.clip_high=0.5"]
+
+
 def test_resume_fails_closed(tmp_path, uninterrupted):
     from runner.train import run
 
@@ -167,6 +171,25 @@ def test_resume_fails_closed(tmp_path, uninterrupted):
     changed = load_config(TINY, [f'run.output_dir="{tmp_path}"', "rl.clip_high=0.5"])
     with pytest.raises(ckpt.CheckpointError, match="config differs"):
         run(changed, resume=True, progress=False)
+    # issue #23 item 8: the refusal names the keys that differ
+    old = load_config(TINY)
+    changed = load_config(TINY, [*changed_args(tmp_path), "sft.learning_rate=0.5"])
+    with pytest.raises(ckpt.CheckpointError) as exc:
+        run(changed, resume=True, progress=False)
+    assert (
+        f"[rl].clip_high = {old.rl.clip_high!r} -> 0.5, [sft].learning_rate = "
+        f"{old.sft.learning_rate!r} -> 0.5); only step counts" in str(exc.value)
+    )
+    # an emptied or deleted metrics.jsonl: the history would be lost silently
+    metrics = tmp_path / "tiny" / "metrics.jsonl"
+    history = metrics.read_text()
+    metrics.write_text("")
+    with pytest.raises(ckpt.CheckpointError, match=rf"step {step} but .*metrics.jsonl has no rec"):
+        run(cfg, resume=True, progress=False)
+    metrics.unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"metrics.jsonl is missing: the run's metrics"):
+        run(cfg, resume=True, progress=False)
+    metrics.write_text(history)
 
     (root / "latest").write_text("banana")
     with pytest.raises(ckpt.CheckpointError, match="corrupt"):
@@ -732,7 +755,7 @@ def test_another_steps_state_does_not_resume(tmp_path, uninterrupted):
         "resumable"
     ]
     path.write_text(json.dumps(edited))
-    with pytest.raises(ckpt.CheckpointError, match=r"-step-4'.*not this run's '.*-step-6'"):
+    with pytest.raises(ckpt.CheckpointError, match=r"-step-4', not the state saved as '.*-6'"):
         run(cfg, resume=True, progress=False)
     path.write_text(json.dumps(good))
 
