@@ -133,6 +133,12 @@ class RLConfig:
     num_microbatches: int = 1
     loss: str = ""
     loss_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Asynchronous RL (docs/async.md; checked by runner._pipeline.validate_async).
+    rollout: str = "lockstep"
+    env_workers: int = 64
+    sample_batch_ms: float = 5.0
+    max_off_policy_steps: int = 0
+    max_concurrent_rollouts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,6 +436,9 @@ def validate(cfg: Config) -> None:
     except ValueError as exc:
         raise ValueError(exc.args[0] if cfg.rl.loss else f"config [rl]: {exc}") from exc
     _validate_task(cfg)
+    from runner._pipeline import validate_async
+
+    validate_async(cfg)
     from runner._types import AdamParams
 
     AdamParams(

@@ -97,19 +97,28 @@ def rl_step(
     step: int,
     runner: StepRunner,
     reference: Any = None,
+    rollouts: Any = None,
 ) -> dict[str, Any]:
-    """Sample groups → rewards → group advantages → one planned step of the RL loss."""
-    rng = step_rng(cfg, 2, step)
-    problems = task.problems(rng, cfg.rl.problems_per_step)
-    groups = rollout(
-        trainer,
-        task,
-        problems,
-        group_size=cfg.rl.group_size,
-        temperature=cfg.rl.temperature,
-        seed=int(rng.integers(2**31)),
-        max_seq_len=cfg.model.max_seq_len,
-    )
+    """Sample groups → rewards → group advantages → one planned step of the RL loss.
+
+    ``rollouts``: a `runner._pipeline.RolloutService` (``[rl].rollout = "concurrent"``) that
+    hands over the step's groups; ``None``: the lock-step rollout, here.
+    """
+    if rollouts is not None:
+        collected = rollouts.collect(step)
+        groups = collected.groups
+    else:
+        rng = step_rng(cfg, 2, step)
+        problems = task.problems(rng, cfg.rl.problems_per_step)
+        groups = rollout(
+            trainer,
+            task,
+            problems,
+            group_size=cfg.rl.group_size,
+            temperature=cfg.rl.temperature,
+            seed=int(rng.integers(2**31)),
+            max_seq_len=cfg.model.max_seq_len,
+        )
     seqs, rewards = rl_seqs(cfg, groups)
     extra_forwards = 0
     if reference is not None:
@@ -126,6 +135,8 @@ def rl_step(
         trainer, seqs, adam(cfg, cfg.rl.learning_rate), num_microbatches=cfg.rl.num_microbatches
     )
     metrics["passes/forwards"] += extra_forwards
+    if rollouts is not None:
+        metrics.update(rollouts.published(collected))
     episodes = [e for g in groups for e in g]
     metrics.update(
         {

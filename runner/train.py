@@ -369,6 +369,7 @@ def run(
         if owned:
             trainer = make_trainer(cfg, run_dir)
             caps = capabilities(trainer)  # probed once, right after it is built
+        rollouts = None  # the concurrent rollout service (runner._pipeline), from the first RL step
         try:
             if owned:  # (a failed check still closes the trainer, below)
                 check_capabilities(cfg, caps, start=start)
@@ -449,7 +450,13 @@ def run(
                                 "path": REFERENCE_FILE,
                                 "sha256": tree_digests(run_dir / REFERENCE_FILE, run_dir),
                             }
-                        metrics = rl_step(cfg, trainer, job.task, step, step_runner, reference)
+                        if rollouts is None and cfg.rl.rollout == "concurrent":
+                            from runner._pipeline import RolloutService
+
+                            rollouts = RolloutService(cfg, trainer, job.task, first_step=step)
+                        metrics = rl_step(
+                            cfg, trainer, job.task, step, step_runner, reference, rollouts
+                        )
                         phase = "rl"
                     elapsed = time.perf_counter() - t0
                     metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
@@ -467,5 +474,9 @@ def run(
                 trainer.finalize(run_dir, last_manifest)
             return RunResult(run_dir=run_dir, last_step=total, metrics=log.records)
         finally:
+            if rollouts is not None:
+                rollouts.close()
+            if job.task is not None:
+                job.task.cleanup()
             if owned and caps.closing:  # e.g. the Fireworks sampling client/service
                 trainer.close()
