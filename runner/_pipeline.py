@@ -29,7 +29,14 @@ from typing import Any
 import numpy as np
 
 from runner._admission import AdmissionController, Ticket
-from runner.tasks._async import Activity, EnvCalls, SampleBatcher, run_episode
+from runner.tasks._async import (
+    Activity,
+    CircuitBreaker,
+    EnvCalls,
+    EpisodeFailed,
+    SampleBatcher,
+    run_episode,
+)
 from runner.tasks._load import LoadedTask
 from runner.tasks._rollout import Episode, set_group_rewards
 
@@ -58,13 +65,38 @@ def validate_async(cfg: Any) -> None:
             f"config [rl].max_concurrent_rollouts = {c} is below [rl].group_size = "
             f"{rl.group_size} (a whole group is admitted at once); 0 = one step's episodes"
         )
+    if rl.env_timeout_s < 0:
+        raise ValueError(f"config [rl].env_timeout_s must be >= 0, got {rl.env_timeout_s}")
+    if rl.min_group_size and not 2 <= rl.min_group_size <= rl.group_size:
+        raise ValueError(
+            f"config [rl].min_group_size must be 0 (the whole group) or in [2, [rl].group_size = "
+            f"{rl.group_size}], got {rl.min_group_size}"
+        )
+    if rl.max_fill_rounds < 0:
+        raise ValueError(f"config [rl].max_fill_rounds must be >= 0, got {rl.max_fill_rounds}")
     if rl.rollout == "lockstep":
-        for key in ("max_off_policy_steps", "max_concurrent_rollouts"):
+        for key in (
+            "max_off_policy_steps",
+            "max_concurrent_rollouts",
+            "env_timeout_s",
+            "min_group_size",
+            "drop_uniform_groups",
+        ):
             if getattr(rl, key):
                 raise ValueError(
                     f'config [rl].{key} needs [rl].rollout = "concurrent" (the lock-step rollout '
                     "samples one step at a time)"
                 )
+
+
+def start_rollouts(
+    cfg: Any, sampler: Any, task: LoadedTask, step: int, manifest: dict[str, Any] | None
+) -> RolloutService:
+    """The service for a run whose next step is RL step ``step``, continuing from the
+    checkpoint ``manifest`` of step ``step - 1`` when it recorded one (a resumed run)."""
+    saved = (manifest or {}).get("run_state", {})
+    state = saved.get("rollouts") if saved.get("step") == step - 1 else None
+    return RolloutService(cfg, sampler, task, first_step=step, state=state)
 
 
 @dataclasses.dataclass
@@ -77,6 +109,9 @@ class Collected:
     started: float  # perf_counter when collect was called
     waited_s: float  # how long the trainer waited for the groups
     in_flight: int  # episodes in flight (of later steps) when the groups were handed over
+    dropped: int = 0  # episodes lost to recoverable failures (kept and rejected groups)
+    rejected: int = 0  # groups rejected for failures (fewer than [rl].min_group_size left)
+    uniform: int = 0  # groups dropped for equal rewards ([rl].drop_uniform_groups)
 
 
 class RolloutService:
@@ -89,7 +124,15 @@ class RolloutService:
       first_step: the global step number of the next RL step (a resumed run's first).
     """
 
-    def __init__(self, cfg: Any, sampler: Any, task: LoadedTask, *, first_step: int):
+    def __init__(
+        self,
+        cfg: Any,
+        sampler: Any,
+        task: LoadedTask,
+        *,
+        first_step: int,
+        state: dict[str, Any] | None = None,
+    ):
         rl = cfg.rl
         self.cfg, self.task = cfg, task
         self.problems, self.group = rl.problems_per_step, rl.group_size
@@ -103,15 +146,23 @@ class RolloutService:
             max_concurrent=rl.max_concurrent_rollouts or batch,
         )
         self.controller.start_at(start)
-        self.next_slot = start * self.problems  # the next group to admit
-        self.end_slot = rl.steps * self.problems
+        # the next problem slot to admit: after the last one a checkpointed step consumed
+        self.next_slot = int((state or {}).get("next_slot", start * self.problems))
+        self.durable_slot = self.next_slot
+        self.total_episodes = rl.steps * batch  # no admission beyond the run's last step
         self.next_order = 0  # the next admitted group the trainer takes
+        self.min_group = rl.min_group_size or self.group
+        self.drop_uniform, self.fill_rounds = rl.drop_uniform_groups, rl.max_fill_rounds
+        self._credits: list[int] = []  # fill rounds owed to replacements of uniform groups
+        self._rounds: dict[int, int] = {}  # order -> its fill round
+        self.breaker = CircuitBreaker()
         self._schedule: dict[int, tuple[list[Any], int]] = {}
-        self._done: dict[int, tuple[int, list[Episode]]] = {}  # order -> (slot, episodes)
+        # order -> (slot, episodes, outcome, dropped): outcome "kept", "rejected" or "uniform"
+        self._done: dict[int, tuple[int, list[Episode], str, int]] = {}
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self.activity = Activity()
-        self.envs = EnvCalls(workers=rl.env_workers)
+        self.envs = EnvCalls(workers=rl.env_workers, timeout_s=rl.env_timeout_s)
         self.batcher = SampleBatcher(
             sampler,
             max_tokens=task.max_tokens_per_turn,
@@ -163,9 +214,11 @@ class RolloutService:
     async def _admission(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            while self.next_slot < self.end_slot and self.controller.can_admit():
-                ticket = self.controller.admit()
+            ctl = self.controller
+            while ctl.can_admit() and ctl.trained + ctl.reserved < self.total_episodes:
+                ticket = ctl.admit()
                 slot, self.next_slot = self.next_slot, self.next_slot + 1
+                self._rounds[ticket.order] = self._credits.pop(0) if self._credits else 0
                 loop.create_task(self._run_group(ticket, slot))
             self._admit.clear()
             await self._admit.wait()
@@ -179,30 +232,39 @@ class RolloutService:
                 for _ in range(self.group)
             ]
             self.activity.live += self.group
-            started = 0
-            try:
-                runs = []
-                for k, e in enumerate(episodes):
-                    runs.append(
-                        run_episode(
-                            e,
-                            step_seed=seed,
-                            sample=k,
-                            problems=self.problems,
-                            group_size=self.group,
-                            envs=self.envs,
-                            batcher=self.batcher,
-                            activity=self.activity,
-                        )
-                    )
-                    started += 1
-                await asyncio.gather(*runs)
-            except BaseException:
-                self.activity.live -= self.group - started  # episodes never started
-                raise
-            if self.task.has_group_rewards:
-                values = await self.envs.call(self.task.task.group_rewards, problems[i], episodes)
-                set_group_rewards(episodes, values)
+            runs = [
+                run_episode(
+                    e,
+                    step_seed=seed,
+                    sample=k,
+                    problems=self.problems,
+                    group_size=self.group,
+                    envs=self.envs,
+                    batcher=self.batcher,
+                    activity=self.activity,
+                )
+                for k, e in enumerate(episodes)
+            ]
+            results = await asyncio.gather(*runs, return_exceptions=True)
+            fatal = [r for r in results if isinstance(r, BaseException)]
+            fatal = [r for r in fatal if not isinstance(r, EpisodeFailed)]
+            if fatal:
+                raise fatal[0]
+            kept = []
+            for r in results:
+                failed = isinstance(r, EpisodeFailed)
+                self.breaker.observe(failed, str(r) if failed else "")
+                if not failed:
+                    kept.append(r)
+            outcome = "kept" if len(kept) >= self.min_group else "rejected"
+            if outcome == "kept" and self.task.has_group_rewards:
+                values = await self.envs.call(self.task.task.group_rewards, problems[i], kept)
+                set_group_rewards(kept, values)
+            round_ = self._rounds.pop(ticket.order, 0)
+            if outcome == "kept" and self.drop_uniform and round_ < self.fill_rounds:
+                if len({e.reward for e in kept}) == 1:
+                    outcome = "uniform"
+                    self._credits.append(round_ + 1)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -211,9 +273,9 @@ class RolloutService:
                     self._error = exc
                 self._cond.notify_all()
             return
-        self.controller.finish(ticket, kept=True)
+        self.controller.finish(ticket, kept=outcome == "kept")
         with self._cond:
-            self._done[ticket.order] = (slot, episodes)
+            self._done[ticket.order] = (slot, kept, outcome, self.group - len(kept))
             self._cond.notify_all()
         self._admit.set()
 
@@ -225,17 +287,26 @@ class RolloutService:
     # -- the trainer's side ------------------------------------------------------------------------
 
     def collect(self, step: int) -> Collected:
-        """Waits for step ``step``'s groups: the next ``problems_per_step`` in admission order."""
+        """Waits for step ``step``'s groups: the next ``problems_per_step`` kept groups in
+        admission order (rejected and uniform groups on the way are counted and skipped)."""
         started = time.perf_counter()
         version = step - self.first_rl
-        want = range(self.next_order, self.next_order + self.problems)
+        taken: list[tuple[int, list[Episode]]] = []
+        counts = {"dropped": 0, "rejected": 0, "uniform": 0}
         with self._cond:
-            while self._error is None and not all(o in self._done for o in want):
-                self._cond.wait()
-            if self._error is not None:
-                raise self._error
-            taken = [self._done.pop(o) for o in want]
-        self.next_order += self.problems
+            while len(taken) < self.problems:
+                while self._error is None and self.next_order not in self._done:
+                    self._cond.wait()
+                if self._error is not None:
+                    raise self._error
+                slot, episodes, outcome, dropped = self._done.pop(self.next_order)
+                self.next_order += 1
+                self.durable_slot = slot + 1
+                counts["dropped"] += dropped
+                if outcome == "kept":
+                    taken.append((slot, episodes))
+                else:
+                    counts[outcome] += 1
         if version != self.controller.version:
             raise RuntimeError(
                 f"RolloutService.collect: step {step} trains version {version}, but version "
@@ -249,7 +320,13 @@ class RolloutService:
             started=started,
             waited_s=waited,
             in_flight=self.controller.in_flight,
+            **counts,
         )
+
+    def durable_state(self) -> dict[str, Any]:
+        """What a checkpoint after the last collected step records: the first problem slot not
+        consumed by a trained step (in-flight work after it is re-sampled on resume)."""
+        return {"next_slot": self.durable_slot}
 
     def problem_id(self, slot: int) -> str:
         """``"<global step>:<index>"``: the lock-step step and position that define a problem."""
@@ -259,7 +336,7 @@ class RolloutService:
     def published(self, collected: Collected) -> dict[str, Any]:
         """The trained step's optimizer step is done: publishes the next version; returns the
         step's ``async/*`` metrics and its ``data/problems``."""
-        episodes = sum(len(g) for g in collected.groups)
+        episodes = self.problems * self.group  # the step's budget, whatever was dropped
         done = threading.Event()
 
         def publish() -> None:
@@ -286,7 +363,9 @@ class RolloutService:
             "async/version_offset_max": float(offsets.max()) if offsets.size else 0.0,
             "async/in_flight": float(collected.in_flight),
             "async/trainer_idle_frac": collected.waited_s / total,
-            "async/sample_calls": float(self.batcher.calls),
+            "rollout/dropped": float(collected.dropped),
+            "rollout/rejected_groups": float(collected.rejected),
+            "rollout/uniform_groups": float(collected.uniform),
             "data/problems": collected.problem_ids,
         }
 

@@ -139,6 +139,10 @@ class RLConfig:
     sample_batch_ms: float = 5.0
     max_off_policy_steps: int = 0
     max_concurrent_rollouts: int = 0
+    env_timeout_s: float = 0.0
+    min_group_size: int = 0
+    drop_uniform_groups: bool = False
+    max_fill_rounds: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

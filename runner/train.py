@@ -421,6 +421,8 @@ def run(
                 }
                 if reference is not None:
                     run_state["reference"] = reference_record
+                if rollouts is not None:  # the first problem no trained step consumed
+                    run_state["rollouts"] = rollouts.durable_state()
                 last_manifest = ckpt.write_checkpoint(
                     ckpt_root,
                     trainer,
@@ -451,11 +453,12 @@ def run(
                                 "sha256": tree_digests(run_dir / REFERENCE_FILE, run_dir),
                             }
                         if rollouts is None and cfg.rl.rollout == "concurrent":
-                            from runner._pipeline import RolloutService
+                            from runner._pipeline import start_rollouts
 
-                            rollouts = RolloutService(cfg, trainer, job.task, first_step=step)
+                            rollouts = start_rollouts(cfg, trainer, job.task, step, last_manifest)
+                        extra = {} if rollouts is None else {"rollouts": rollouts}
                         metrics = rl_step(
-                            cfg, trainer, job.task, step, step_runner, reference, rollouts
+                            cfg, trainer, job.task, step, step_runner, reference, **extra
                         )
                         phase = "rl"
                     elapsed = time.perf_counter() - t0

@@ -312,3 +312,149 @@ def test_off_policy_run_keeps_the_bound_and_trains_each_steps_problems(tmp_path)
     assert [r.get("data/problems") for r in logged if r.get("phase") == "rl"] == [
         r["data/problems"] for r in rl
     ]
+
+
+# -- failures, group hooks, dynamic filtering ------------------------------------------------------
+
+
+class _Flaky:
+    """Fails in ``step`` with ``error`` (or sleeps ``nap`` s) when ``fail`` is true."""
+
+    def __init__(self, env, fail, error, nap=0.0):
+        self.env, self.fail, self.error, self.nap = env, fail, error, nap
+
+    def initial_observation(self):
+        return self.env.initial_observation()
+
+    def step(self, action):
+        if self.fail:
+            if self.nap:
+                time.sleep(self.nap)
+            else:
+                raise self.error
+        return self.env.step(action)
+
+
+class _FlakyTask:
+    """The environments numbered in ``fails`` (in creation order, from 1; ``"all"``: every one)
+    fail; group rewards optional."""
+
+    def __init__(self, task, fails, error, nap=0.0, group_rewards=None):
+        self.task, self.fails, self.error, self.nap, self.made = task, fails, error, nap, 0
+        if group_rewards is not None:
+            self.group_rewards = group_rewards
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def make_env(self, problem):
+        self.made += 1
+        fail = self.fails == "all" or self.made in self.fails
+        return _Flaky(self.task.make_env(problem), fail, self.error, self.nap)
+
+
+def _flaky(task, *args, **kwargs):
+    from runner.tasks import check_task
+
+    return check_task(task.name, _FlakyTask(task.task, *args, **kwargs), task.vocab_size)
+
+
+def _service(cfg, task, trainer, *overrides):
+    cfg = load_config(TINY, [*CONCURRENT, *overrides])
+    return RolloutService(cfg, trainer, task, first_step=cfg.sft.steps + 1), cfg
+
+
+def test_recoverable_failures_drop_episodes_and_groups_keep_min_group_size(tiny):
+    """One episode of each of the step's 3 groups raises `RecoverableError`: with
+    ``min_group_size = 3`` its group (4 episodes) goes on with 3; with the whole group required
+    (a `ConnectionError`) the groups are rejected and the next problems are admitted; a slow
+    environment past ``env_timeout_s`` is dropped the same way."""
+    from runner.tasks import RecoverableError
+
+    cfg, task, trainer = tiny
+    step = cfg.sft.steps + 1
+    for overrides, error, nap, kept_sizes, rejected in (
+        (["rl.min_group_size=3"], RecoverableError("flaky tool"), 0.0, {3}, 0),
+        ([], ConnectionError("reset"), 0.0, {4}, 3),
+        (["rl.min_group_size=3", "rl.env_timeout_s=0.05"], None, 0.3, {3}, 0),
+    ):
+        flaky = _flaky(task, {4, 8, 12}, error, nap)
+        service, _ = _service(cfg, flaky, trainer, *overrides)
+        try:
+            got = service.collect(step)
+            metrics = service.published(got)
+        finally:
+            service.close()
+        assert {len(g) for g in got.groups} == kept_sizes
+        assert len(got.groups) == cfg.rl.problems_per_step
+        assert metrics["rollout/rejected_groups"] == rejected
+        assert metrics["rollout/dropped"] == 3
+        if rejected:  # the replacements are the next problems of the schedule
+            assert got.problem_ids == [f"{step + 1}:{i}" for i in range(3)]
+
+
+def test_persistent_failures_trip_the_circuit_breaker(tiny):
+    from runner.tasks import RecoverableError
+    from runner.tasks._async import RolloutError
+
+    cfg, task, trainer = tiny
+    service, _ = _service(cfg, _flaky(task, "all", RecoverableError("down")), trainer)
+    try:
+        with pytest.raises(RolloutError, match="rollouts keep failing") as info:
+            service.collect(cfg.sft.steps + 1)
+    finally:
+        service.close()
+    assert "\n" not in str(info.value) and "down" in str(info.value)
+
+
+def test_other_exceptions_are_fatal_in_one_line_naming_task_problem_and_turn(tiny):
+    from runner.tasks._async import RolloutError
+
+    cfg, task, trainer = tiny
+    service, _ = _service(cfg, _flaky(task, "all", KeyError("boom")), trainer)
+    try:
+        with pytest.raises(RolloutError) as info:
+            service.collect(cfg.sft.steps + 1)
+    finally:
+        service.close()
+    text = str(info.value)
+    assert "\n" not in text
+    assert (
+        text.startswith(f"task {task.name}: problem ")
+        and ", turn 0: env.step raised KeyError" in text
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.booleans(), max_size=60))
+def test_circuit_breaker_trips_exactly_by_its_rule(outcomes):
+    from runner.tasks._async import CircuitBreaker, RolloutError
+
+    breaker, streak = CircuitBreaker(), 0
+    for n, failed in enumerate(outcomes):
+        streak = streak + 1 if failed else 0
+        window = outcomes[max(0, n - 19) : n + 1]
+        trips = streak >= 5 or (len(window) >= 10 and sum(window) / len(window) >= 0.5)
+        if trips:
+            with pytest.raises(RolloutError):
+                breaker.observe(failed)
+            return
+        breaker.observe(failed)
+
+
+def test_uniform_groups_are_replaced_at_most_max_fill_rounds_times(tiny):
+    """``group_rewards`` makes every group's rewards equal: each problem position is replaced once
+    (``max_fill_rounds = 1``), then the replacement is kept; the hook's rewards are the trained
+    ones."""
+    cfg, task, trainer = tiny
+    step = cfg.sft.steps + 1
+    hooked = _flaky(task, (), None, group_rewards=lambda problem, episodes: [0.25] * len(episodes))
+    service, _ = _service(cfg, hooked, trainer, "rl.drop_uniform_groups=true")
+    try:
+        got = service.collect(step)
+        metrics = service.published(got)
+    finally:
+        service.close()
+    assert metrics["rollout/uniform_groups"] == cfg.rl.problems_per_step
+    assert got.problem_ids == [f"{step + 1}:{i}" for i in range(3)]
+    assert {e.reward for g in got.groups for e in g} == {0.25}

@@ -29,16 +29,77 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from runner.tasks._protocol import RecoverableError
 from runner.tasks._rollout import STOP_CONTEXT, Episode, _cut_at_stop
 
 #: Streams per step: the index of `stream_key` stays below this (local sampler's bound).
 MAX_STREAM_INDEX = 2**31
+#: HTTP statuses of a sampler that are worth another try (timeout, rate limit, server errors).
+RECOVERABLE_STATUS = (408, 429)
+
+
+class RolloutError(ValueError):
+    """A rollout failed for good (one line: the task, the problem, the turn, what happened)."""
+
+
+class EpisodeFailed(Exception):
+    """An episode lost to a recoverable failure (`is_recoverable`); its group may go on."""
+
+    def __init__(self, where: str, cause: BaseException):
+        super().__init__(f"{where}: {describe(cause)}")
+        self.cause = cause
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out ([rl].env_timeout_s)"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def is_recoverable(exc: BaseException) -> bool:
+    """A timeout, a connection error, `runner.tasks.RecoverableError`, or an error carrying an
+    HTTP status 408, 429 or 5xx (``status_code`` / ``status``)."""
+    if isinstance(exc, RecoverableError | TimeoutError | ConnectionError):
+        return True
+    status = getattr(exc, "status_code", getattr(exc, "status", None))
+    return isinstance(status, int) and (status in RECOVERABLE_STATUS or 500 <= status < 600)
+
+
+class CircuitBreaker:
+    """Stops a run whose environments keep failing: after ``consecutive`` recoverable failures
+    in a row, or when at least ``ratio`` of the last ``window`` episodes failed (once
+    ``min_seen`` have been seen)."""
+
+    def __init__(
+        self, *, consecutive: int = 5, window: int = 20, ratio: float = 0.5, min_seen: int = 10
+    ):
+        self.consecutive, self.window, self.ratio, self.min_seen = (
+            consecutive,
+            window,
+            ratio,
+            min_seen,
+        )
+        self.recent: list[bool] = []
+        self.streak = 0
+
+    def observe(self, failed: bool, why: str = "") -> None:
+        """Records one episode's outcome; raises `RolloutError` when the breaker trips."""
+        self.recent = (self.recent + [failed])[-self.window :]
+        self.streak = self.streak + 1 if failed else 0
+        share = sum(self.recent) / len(self.recent)
+        if self.streak >= self.consecutive or (
+            len(self.recent) >= self.min_seen and share >= self.ratio
+        ):
+            raise RolloutError(
+                f"rollouts keep failing ({self.streak} in a row, {sum(self.recent)} of the last "
+                f"{len(self.recent)} episodes); the last: {why}"
+            )
 
 
 def stream_key(
@@ -247,7 +308,7 @@ async def run_episode(
     activity.in_env += 1
     try:
         try:
-            observation = await envs.call(episode.env.initial_observation)
+            observation = await _env_call(envs, episode, 0, "initial_observation()", ())
         finally:
             activity.in_env -= 1
         episode.begin(observation)
@@ -267,14 +328,20 @@ async def run_episode(
                 problems=problems,
                 group_size=group_size,
             )
-            drawn, version = await batcher.sample(episode.tokens.tolist(), key)
+            try:
+                drawn, version = await batcher.sample(episode.tokens.tolist(), key)
+            except Exception as exc:
+                where = f"{episode.where}, turn {turn}"
+                if is_recoverable(exc):
+                    raise EpisodeFailed(where, exc) from exc
+                raise RolloutError(f"{where}: sample() failed: {describe(exc)}") from exc
             toks = np.asarray(drawn.tokens, dtype=np.int64).reshape(-1)[:limit]
             lps = np.asarray(drawn.logprobs, dtype=np.float64).reshape(-1)[: len(toks)]
             toks, lps = _cut_at_stop(toks, lps, task.stop_token_ids)
             activity.in_env += 1
             batcher.poke()
             try:
-                result = await envs.call(episode.env.step, [int(t) for t in toks])
+                result = await _env_call(envs, episode, turn, "env.step", ([int(t) for t in toks],))
             finally:
                 activity.in_env -= 1
             episode.record(toks, lps, result)
@@ -286,5 +353,100 @@ async def run_episode(
         batcher.poke()
 
 
-def now() -> float:
-    return time.perf_counter()
+async def _env_call(envs: EnvCalls, episode: Episode, turn: int, what: str, args: tuple) -> Any:
+    """One environment call; a recoverable failure becomes `EpisodeFailed`, any other exception
+    one `RolloutError` line naming the task, the problem and the turn."""
+    fn = episode.env.step if what == "env.step" else episode.env.initial_observation
+    try:
+        return await envs.call(fn, *args)
+    except Exception as exc:
+        where = f"{episode.where}, turn {turn}"
+        if is_recoverable(exc):
+            raise EpisodeFailed(where, exc) from exc
+        raise RolloutError(f"{where}: {what} raised {describe(exc)}") from exc
+
+
+async def _rollout(
+    sampler: Any,
+    task: Any,
+    problems: Sequence[Any],
+    *,
+    group_size: int,
+    temperature: float,
+    seed: int,
+    max_seq_len: int | None,
+    env_workers: int,
+    sample_batch_ms: float,
+) -> list[list[Episode]]:
+    from runner.tasks._rollout import set_group_rewards
+
+    activity = Activity()
+    envs = EnvCalls(workers=env_workers)
+    batcher = SampleBatcher(
+        sampler,
+        max_tokens=task.max_tokens_per_turn,
+        temperature=temperature,
+        stop_token_ids=task.stop_token_ids,
+        batch_ms=sample_batch_ms,
+        expected=activity.waiting,
+        version=lambda: 0,
+    )
+    batcher.start()
+    try:
+        groups = [
+            [Episode(task, p, i, max_seq_len, start=False) for _ in range(group_size)]
+            for i, p in enumerate(problems)
+        ]
+        activity.live = len(problems) * group_size
+        await asyncio.gather(
+            *(
+                run_episode(
+                    e,
+                    step_seed=seed,
+                    sample=k,
+                    problems=len(problems),
+                    group_size=group_size,
+                    envs=envs,
+                    batcher=batcher,
+                    activity=activity,
+                )
+                for g in groups
+                for k, e in enumerate(g)
+            )
+        )
+        if task.has_group_rewards:
+            for g in groups:
+                set_group_rewards(g, await envs.call(task.task.group_rewards, g[0].problem, g))
+        return groups
+    finally:
+        await batcher.close()
+        envs.close()
+
+
+def concurrent_rollout(
+    sampler: Any,
+    task: Any,
+    problems: Sequence[Any],
+    *,
+    group_size: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    max_seq_len: int | None = None,
+    env_workers: int = 64,
+    sample_batch_ms: float = 5.0,
+) -> list[list[Episode]]:
+    """`runner.tasks.rollout`'s contract with concurrent episodes (module docstring), for one
+    batch of problems (the held-out evaluation of a concurrent run): ``groups[i][k]``."""
+    return asyncio.run(
+        _rollout(
+            sampler,
+            task,
+            problems,
+            group_size=group_size,
+            temperature=temperature,
+            seed=seed,
+            max_seq_len=max_seq_len,
+            env_workers=env_workers,
+            sample_batch_ms=sample_batch_ms,
+        )
+    )
