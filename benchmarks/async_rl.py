@@ -8,7 +8,9 @@ task) on the local backend, with an emulated tool latency per environment step
 * ``concurrent`` with ``O = [rl].max_off_policy_steps`` in {0, 1, 2}.
 
 Each setting runs ``--sft-steps`` SFT steps (so the policy calls its tool), then ``--rl-steps``
-RL steps; the per-step time is the median over the RL steps after the first (which compiles).
+RL steps; the per-step time is the median over the RL steps after the first. Every setting runs
+once untimed first (``--warmup``, latency 0), so that the sampling shapes are compiled before
+any step is timed.
 Also reported: ``async/trainer_idle_frac``, ``async/version_offset_max`` and the held-out reward
 at the end (mean over ``--seeds`` seeds).
 
@@ -18,6 +20,7 @@ latency 0 and 20 ms, two RL steps; the tests run it).
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -70,6 +73,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sft-steps", type=int, default=None)
     p.add_argument("--rl-steps", type=int, default=None)
     p.add_argument("--seeds", type=int, default=1)
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run every setting once untimed first, so compiles are not timed (default: on, off "
+        "with --quick)",
+    )
     args = p.parse_args(argv)
     root = _common.ROOT / "examples"
     config = root / ("tiny.toml" if args.quick else "default.toml")
@@ -86,7 +96,12 @@ def main(argv: list[str] | None = None) -> dict:
     sft = args.sft_steps if args.sft_steps is not None else (3 if args.quick else 20)
     rl = args.rl_steps if args.rl_steps is not None else (2 if args.quick else 4)
     rows = []
+    warmup = not args.quick if args.warmup is None else args.warmup
     with tempfile.TemporaryDirectory() as tmp:
+        if warmup:  # compile every sampling shape once (jit caches persist in this process)
+            for label, overrides in picked:
+                name = f"warmup_{label.replace(' ', '_').replace('=', '')}"
+                _run(config, [*overrides, f"sft.steps={sft}", f"rl.steps={rl}"], Path(tmp), name)
         for latency in latencies:
             for label, overrides in picked:
                 per_seed = []
