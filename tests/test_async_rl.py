@@ -458,3 +458,112 @@ def test_uniform_groups_are_replaced_at_most_max_fill_rounds_times(tiny):
     assert metrics["rollout/uniform_groups"] == cfg.rl.problems_per_step
     assert got.problem_ids == [f"{step + 1}:{i}" for i in range(3)]
     assert {e.reward for g in got.groups for e in g} == {0.25}
+
+
+# -- durability ------------------------------------------------------------------------------------
+
+
+def _resume_cfg(tmp_path, name, *extra):
+    return load_config(
+        TINY,
+        [
+            *CONCURRENT,
+            f'run.output_dir="{tmp_path}"',
+            f'run.name="{name}"',
+            "sft.steps=0",
+            "checkpoint.interval=1",
+            "checkpoint.save_promotable=true",
+            *extra,
+        ],
+    )
+
+
+def test_an_on_policy_concurrent_run_resumes_bit_exactly(tmp_path):
+    """``O = 0``: a run stopped after 2 RL steps and resumed to 4 equals the 4-step run, reward
+    for reward and bit for bit in its final weights (the samples are order-independent)."""
+    from safetensors.numpy import load_file
+
+    import runner.train as train_mod
+    from runner import checkpoints as ckpt
+
+    full = train_mod.run(_resume_cfg(tmp_path, "full", "rl.steps=4"), progress=False)
+    train_mod.run(_resume_cfg(tmp_path, "cut", "rl.steps=2"), progress=False)
+    manifest = ckpt.read_manifest(tmp_path / "cut" / "checkpoints", 2)
+    assert manifest["run_state"]["rollouts"] == {"next_slot": 2 * 3}
+    resumed = train_mod.run(_resume_cfg(tmp_path, "cut", "rl.steps=4"), resume=True, progress=False)
+    a = [r for r in full.metrics if r.get("phase") == "rl"]
+    b = [r for r in resumed.metrics if r.get("phase") == "rl"]
+    assert [r["reward"] for r in a] == [r["reward"] for r in b]
+    assert [r["data/problems"] for r in a] == [r["data/problems"] for r in b]
+
+    def weights(run_dir):
+        m = ckpt.read_manifest(run_dir / "checkpoints", 4)
+        return load_file(run_dir / m["promotable"]["snapshot_path"])
+
+    wa, wb = weights(full.run_dir), weights(resumed.run_dir)
+    for key in wa:
+        np.testing.assert_array_equal(wa[key], wb[key], err_msg=key)
+
+
+def test_sigkill_and_resume_trains_every_problem_exactly_once(tmp_path):
+    """``O = 1`` with an emulated tool latency, SIGKILLed after a checkpoint while the next step
+    samples, then resumed: the steps' ``data/problems`` are the schedule, each problem once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from runner import checkpoints as ckpt
+
+    steps = 5
+    cmd = [
+        sys.executable,
+        "-m",
+        "runner",
+        "train",
+        "--config",
+        str(TINY),
+        "--output-dir",
+        str(tmp_path),
+        "--no-progress",
+        "--checkpoint-interval",
+        "1",
+        *(
+            a
+            for s in (
+                *CONCURRENT,
+                "sft.steps=0",
+                f"rl.steps={steps}",
+                "rl.max_off_policy_steps=1",
+                "task.kwargs.latency_ms=20",
+            )
+            for a in ("--set", s)
+        ),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    marker = tmp_path / "tiny" / "checkpoints" / "latest"
+    kill_at = random.Random().randint(1, 3)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if marker.exists() and marker.read_text().strip() and int(marker.read_text()) >= kill_at:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = ckpt.latest_step(tmp_path / "tiny" / "checkpoints")
+    assert killed_at < steps, "the run finished before the kill"
+    manifest = ckpt.read_manifest(tmp_path / "tiny" / "checkpoints", killed_at)
+    assert manifest["run_state"]["rollouts"] == {"next_slot": killed_at * 3}
+    resumed = subprocess.run(
+        [*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()
+    rl = [r for r in map(json.loads, log) if r.get("phase") == "rl"]
+    assert [r["step"] for r in rl] == list(range(1, steps + 1))
+    trained = [p for r in rl for p in r["data/problems"]]
+    assert trained == [f"{s}:{i}" for s in range(1, steps + 1) for i in range(3)]
+    assert all(r["async/version_offset_max"] <= 1 for r in rl)
