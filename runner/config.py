@@ -134,6 +134,16 @@ class RLConfig:
     num_microbatches: int = 1
     loss: str = ""
     loss_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Asynchronous RL (docs/async.md; checked by runner._pipeline.validate_async).
+    rollout: str = "lockstep"
+    env_workers: int = 64
+    sample_batch_ms: float = 5.0
+    max_off_policy_steps: int = 0
+    max_concurrent_rollouts: int = 0
+    env_timeout_s: float = 0.0
+    min_group_size: int = 0
+    drop_uniform_groups: bool = False
+    max_fill_rounds: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,6 +499,9 @@ def validate(cfg: Config) -> None:
         except ValueError as exc:
             raise ValueError(f"config [rl].mode = {cfg.rl.mode!r}: {exc}") from None
     _validate_task(cfg)
+    from runner._pipeline import validate_async
+
+    validate_async(cfg)
     from runner._types import AdamParams
 
     AdamParams(

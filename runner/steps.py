@@ -94,11 +94,25 @@ def eval_nll(trainer: Any, examples: Sequence[Example], batch_size: int) -> floa
 def rl_seqs(cfg: Any, groups) -> tuple[list[Seq], np.ndarray]:
     """Episodes → `Seq`s with per-token advantages on action tokens; and the rewards."""
     rewards = np.array([e.reward for g in groups for e in g], dtype=np.float64)
-    adv = np.asarray(
-        losses.group_advantages(
-            rewards, group_size=cfg.rl.group_size, estimator=cfg.rl.advantage_estimator
+    if all(len(g) == cfg.rl.group_size for g in groups):
+        adv = np.asarray(
+            losses.group_advantages(
+                rewards, group_size=cfg.rl.group_size, estimator=cfg.rl.advantage_estimator
+            )
         )
-    )
+    else:  # groups that lost episodes ([rl].min_group_size): each with its own size
+        adv = np.concatenate(
+            [
+                np.asarray(
+                    losses.group_advantages(
+                        np.array([e.reward for e in g], dtype=np.float64),
+                        group_size=len(g),
+                        estimator=cfg.rl.advantage_estimator,
+                    )
+                )
+                for g in groups
+            ]
+        )
     seqs = []
     for a, episode in zip(adv, (e for g in groups for e in g), strict=True):
         s = episode_to_seq(episode)
@@ -115,19 +129,28 @@ def rl_step(
     step: int,
     runner: StepRunner,
     reference: Any = None,
+    rollouts: Any = None,
 ) -> dict[str, Any]:
-    """Sample groups → rewards → group advantages → one planned step of the RL loss."""
-    rng = step_rng(cfg, 2, step)
-    problems = task.problems(rng, cfg.rl.problems_per_step)
-    groups = rollout(
-        trainer,
-        task,
-        problems,
-        group_size=cfg.rl.group_size,
-        temperature=cfg.rl.temperature,
-        seed=int(rng.integers(2**31)),
-        max_seq_len=cfg.model.max_seq_len,
-    )
+    """Sample groups → rewards → group advantages → one planned step of the RL loss.
+
+    ``rollouts``: a `runner._pipeline.RolloutService` (``[rl].rollout = "concurrent"``) that
+    hands over the step's groups; ``None``: the lock-step rollout, here.
+    """
+    if rollouts is not None:
+        collected = rollouts.collect(step)
+        groups = collected.groups
+    else:
+        rng = step_rng(cfg, 2, step)
+        problems = task.problems(rng, cfg.rl.problems_per_step)
+        groups = rollout(
+            trainer,
+            task,
+            problems,
+            group_size=cfg.rl.group_size,
+            temperature=cfg.rl.temperature,
+            seed=int(rng.integers(2**31)),
+            max_seq_len=cfg.model.max_seq_len,
+        )
     seqs, rewards = rl_seqs(cfg, groups)
     extra_forwards = 0
     if reference is not None:
@@ -144,6 +167,8 @@ def rl_step(
         trainer, seqs, adam(cfg, cfg.rl.learning_rate), num_microbatches=cfg.rl.num_microbatches
     )
     metrics["passes/forwards"] += extra_forwards
+    if rollouts is not None:
+        metrics.update(rollouts.published(collected))
     episodes = [e for g in groups for e in g]
     metrics.update(
         {
@@ -169,8 +194,21 @@ def eval_problems(cfg: Any, task: LoadedTask) -> list[Any]:
 
 def evaluate(cfg: Any, trainer: Any, task: LoadedTask, problems: Sequence[Any]) -> float:
     """Mean reward on ``problems``, one episode each, sampled at the RL temperature with a fixed
-    seed (the same problems and seeds at every evaluation, so evaluations are comparable)."""
-    groups = rollout(
+    seed (the same problems and seeds at every evaluation, so evaluations are comparable). A
+    concurrent run (``[rl].rollout = "concurrent"``) evaluates with concurrent episodes too
+    (`runner.tasks._async.concurrent_rollout`: other seeds, so not the lock-step numbers)."""
+    run = rollout
+    if cfg.rl.rollout == "concurrent":
+        import functools
+
+        from runner.tasks._async import concurrent_rollout
+
+        run = functools.partial(
+            concurrent_rollout,
+            env_workers=cfg.rl.env_workers,
+            sample_batch_ms=cfg.rl.sample_batch_ms,
+        )
+    groups = run(
         trainer,
         task,
         problems,

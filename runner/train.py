@@ -420,6 +420,7 @@ def run(
             trainer = make_trainer(cfg, run_dir)
             caps = capabilities(trainer)  # probed once, right after it is built
         tracking, ok = Tracking.disabled(), False  # W&B / TensorBoard copies ([log])
+        rollouts = None  # the concurrent rollout service (runner._pipeline), from the first RL step
         try:
             if owned:  # (a failed check still closes the trainer, below)
                 check_capabilities(cfg, caps, start=start)
@@ -477,6 +478,8 @@ def run(
                 }
                 if reference is not None:
                     run_state["reference"] = reference_record
+                if rollouts is not None:  # the first problem no trained step consumed
+                    run_state["rollouts"] = rollouts.durable_state()
                 last_manifest = ckpt.write_checkpoint(
                     ckpt_root,
                     trainer,
@@ -508,7 +511,14 @@ def run(
                                 "path": REFERENCE_FILE,
                                 "sha256": tree_digests(run_dir / REFERENCE_FILE, run_dir),
                             }
-                        metrics = rl_step(cfg, trainer, job.task, step, step_runner, reference)
+                        if rollouts is None and cfg.rl.rollout == "concurrent":
+                            from runner._pipeline import start_rollouts
+
+                            rollouts = start_rollouts(cfg, trainer, job.task, step, last_manifest)
+                        extra = {} if rollouts is None else {"rollouts": rollouts}
+                        metrics = rl_step(
+                            cfg, trainer, job.task, step, step_runner, reference, **extra
+                        )
                         phase = "rl"
                     elapsed = time.perf_counter() - t0
                     metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
@@ -531,5 +541,9 @@ def run(
             raise NonFiniteUpdateError(non_finite_message(cfg, step, str(exc))) from None
         finally:
             tracking.close(ok=ok)
+            if rollouts is not None:
+                rollouts.close()
+            if job.task is not None:
+                job.task.cleanup()
             if owned and caps.closing:  # e.g. the Fireworks sampling client/service
                 trainer.close()

@@ -8,7 +8,7 @@
 """
 
 from runner.tasks._load import LoadedTask, check_task, load_task
-from runner.tasks._protocol import Env, StepResult, Task
+from runner.tasks._protocol import Env, RecoverableError, StepResult, Task
 from runner.tasks._rollout import (
     STOP_REASONS,
     Episode,
@@ -23,6 +23,7 @@ __all__ = [
     "Env",
     "Episode",
     "LoadedTask",
+    "RecoverableError",
     "StepResult",
     "Task",
     "check_task",

@@ -9,7 +9,14 @@ from typing import Any
 import numpy as np
 
 from runner._plugins import call_factory, resolve_callable
-from runner.tasks._protocol import HasDemonstrations, HasEvalProblems, HasMaxPromptTokens, Task
+from runner.tasks._protocol import (
+    HasCleanup,
+    HasDemonstrations,
+    HasEvalProblems,
+    HasGroupRewards,
+    HasMaxPromptTokens,
+    Task,
+)
 
 _REQUIRED = ("stop_token_ids", "max_turns", "max_tokens_per_turn", "problems", "make_env")
 
@@ -35,6 +42,15 @@ class LoadedTask:
     has_eval_problems: bool
     has_demonstrations: bool
     has_max_prompt_tokens: bool
+    has_group_rewards: bool = False
+    has_cleanup: bool = False
+
+    def cleanup(self) -> None:
+        """The task's ``cleanup()`` hook, if it has one (once, when the run ends)."""
+        if self.has_cleanup:
+            from runner.tasks._rollout import resolve
+
+            resolve(self.task.cleanup())
 
     def problems(self, rng: np.random.Generator, n: int) -> list[Any]:
         """``task.problems(rng, n)``, checked to be a list of ``n`` problems."""
@@ -116,6 +132,8 @@ def check_task(name: str, task: Any, vocab_size: int) -> LoadedTask:
         has_eval_problems=isinstance(task, HasEvalProblems),
         has_demonstrations=isinstance(task, HasDemonstrations),
         has_max_prompt_tokens=isinstance(task, HasMaxPromptTokens),
+        has_group_rewards=isinstance(task, HasGroupRewards),
+        has_cleanup=isinstance(task, HasCleanup),
     )
 
 

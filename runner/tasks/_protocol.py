@@ -18,7 +18,19 @@ Optional methods, probed once when the task is loaded (`runner.tasks.LoadedTask`
 ``eval_problems() -> list`` (a fixed held-out set; default: 64 problems drawn from a fixed RNG),
 ``demonstrations(rng, n) -> list[record]`` (SFT records in the ``[sft].data`` JSONL format, for the
 warm-up without a data file) and ``max_prompt_tokens() -> int`` (the longest prompt, checked
-against ``[model].max_seq_len`` before any work).
+against ``[model].max_seq_len`` before any work), ``group_rewards(problem, episodes) -> list``
+(rewards that compare a group's finished episodes, e.g. a pairwise judge, replacing their summed
+step rewards; one finite number per episode) and ``cleanup()`` (once, when the run ends).
+
+Asynchronous environments: ``initial_observation`` and ``step`` may be coroutines (``async
+def``), and so may ``group_rewards`` and ``cleanup``. With ``[rl].rollout = "concurrent"`` the
+episodes of a step run concurrently (coroutines on one event loop, synchronous environments in a
+pool of ``[rl].env_workers`` threads); with the default lock-step rollout a coroutine is awaited
+where the synchronous method would have been called.
+
+An environment that raises `RecoverableError` (a flaky tool, a sandbox that timed out) loses
+that episode only, under ``[rl].rollout = "concurrent"`` (`runner.tasks._async`); any other
+exception stops the run with one line naming the task, the problem and the turn.
 """
 
 from __future__ import annotations
@@ -94,3 +106,17 @@ class HasDemonstrations(Protocol):
 @runtime_checkable
 class HasMaxPromptTokens(Protocol):
     def max_prompt_tokens(self) -> int: ...
+
+
+@runtime_checkable
+class HasGroupRewards(Protocol):
+    def group_rewards(self, problem: Any, episodes: list[Any]) -> Sequence[float]: ...
+
+
+@runtime_checkable
+class HasCleanup(Protocol):
+    def cleanup(self) -> None: ...
+
+
+class RecoverableError(Exception):
+    """Raised by an environment for a failure that should drop one episode, not the run."""

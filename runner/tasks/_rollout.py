@@ -11,7 +11,9 @@ the sampled turns (stop tokens included), observations the environment's tokens 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -49,6 +51,24 @@ def _short(problem: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def resolve(value: Any) -> Any:
+    """``value``, or what it returns when awaited: an ``async def`` environment method's result
+    (run to completion on a private event loop; `runner.tasks._async` awaits it instead)."""
+    if not inspect.isawaitable(value):
+        return value
+    global _LOOP
+    if _LOOP is None or _LOOP.is_closed():
+        _LOOP = asyncio.new_event_loop()  # one loop for every call: loop-bound resources live on
+    return _LOOP.run_until_complete(_await(value))
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+async def _await(value: Any) -> Any:
+    return await value
+
+
 def _token_array(value: Any, where: str, what: str, vocab_size: int) -> np.ndarray:
     try:
         arr = np.asarray(list(value))
@@ -82,18 +102,35 @@ class Episode:
       num_turns: actions so far.
     """
 
-    def __init__(self, task: LoadedTask, problem: Any, index: int, max_seq_len: int | None):
+    def __init__(
+        self,
+        task: LoadedTask,
+        problem: Any,
+        index: int,
+        max_seq_len: int | None,
+        *,
+        start: bool = True,
+    ):
         self.task, self.problem, self.index = task, problem, index
+        self.max_seq_len = max_seq_len
         self.where = f"task {task.name}: problem {index} ({_short(problem)})"
         self.env = task.task.make_env(problem)
+        self.segments: list[Segment] = []
+        self.done, self.reward, self.stop = False, 0.0, ""
+        self.metrics: dict[str, float] = {}
+        self.num_turns = 0
+        self.versions: list[int] = []  # the policy version of each action (concurrent rollouts)
+        if start:
+            self.begin(resolve(self.env.initial_observation()))
+
+    def begin(self, observation: Any) -> None:
+        """Checks the environment's ``initial_observation()`` and makes it the prompt."""
         prompt = _token_array(
-            self.env.initial_observation(),
-            f"{self.where}, turn 0",
-            "initial_observation()",
-            task.vocab_size,
+            observation, f"{self.where}, turn 0", "initial_observation()", self.task.vocab_size
         )
         if len(prompt) == 0:
             raise ValueError(f"{self.where}, turn 0: initial_observation() is empty")
+        max_seq_len = self.max_seq_len
         if max_seq_len is not None and len(prompt) > max_seq_len:
             raise ValueError(
                 f"{self.where}, turn 0: the prompt has {len(prompt)} tokens, leaving no room for "
@@ -101,9 +138,6 @@ class Episode:
             )
         zeros = np.zeros(len(prompt))
         self.segments = [Segment("prompt", prompt, zeros, zeros)]
-        self.done, self.reward, self.stop = False, 0.0, ""
-        self.metrics: dict[str, float] = {}
-        self.num_turns = 0
 
     @property
     def tokens(self) -> np.ndarray:
@@ -112,8 +146,11 @@ class Episode:
     def add_action(self, tokens: np.ndarray, logprobs: np.ndarray) -> None:
         """Appends one policy turn, steps the environment, and appends its observation unless the
         episode ends (done, or ``max_turns``)."""
+        self.record(tokens, logprobs, resolve(self.env.step([int(t) for t in tokens])))
+
+    def record(self, tokens: np.ndarray, logprobs: np.ndarray, result: Any) -> None:
+        """Checks what ``env.step`` answered to the action ``tokens`` and appends both."""
         where = f"{self.where}, turn {self.num_turns}"
-        result = self.env.step([int(t) for t in tokens])
         if not isinstance(result, StepResult):
             raise ValueError(
                 f"{where}: env.step returned {type(result).__name__}, expected a "
@@ -263,7 +300,35 @@ def rollout(
             episode.add_action(*_cut_at_stop(toks, lps, task.stop_token_ids))
         active = [e for e in active if not e.done]
         turn += 1
+    for g in groups:
+        apply_group_rewards(task, g)
     return groups
+
+
+def apply_group_rewards(task: LoadedTask, episodes: Sequence[Episode]) -> None:
+    """Replaces the episodes' rewards by the task's ``group_rewards(problem, episodes)`` when it
+    has that hook (`set_group_rewards`); else leaves them as they are."""
+    if task.has_group_rewards and episodes:
+        values = resolve(task.task.group_rewards(episodes[0].problem, list(episodes)))
+        set_group_rewards(episodes, values)
+
+
+def set_group_rewards(episodes: Sequence[Episode], values: Any) -> None:
+    """Checks ``group_rewards``' answer (one finite number per episode) and sets the rewards."""
+    where = episodes[0].where
+    try:
+        rewards = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{where}: group_rewards returned {values!r}, expected one number per episode"
+        ) from None
+    if len(rewards) != len(episodes) or not all(math.isfinite(r) for r in rewards):
+        raise ValueError(
+            f"{where}: group_rewards returned {len(rewards)} rewards for {len(episodes)} "
+            "episodes (one finite number each)"
+        )
+    for e, r in zip(episodes, rewards, strict=True):
+        e.reward = r
 
 
 def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """The calculator-tool task (`runner.env.calc`) behind the task protocol — the default task.
 
 ``[task] factory = "runner.tasks.calc:make_task"`` with ``[task.kwargs]`` ``max_operand``,
-``num_ops``, ``max_turns``, ``max_tokens_per_turn``. Problems, prompts, observations, rewards and
+``num_ops``, ``max_turns``, ``max_tokens_per_turn`` (and ``latency_ms``, ``async_env``: an
+emulated tool latency, `runner.tasks._latency`). Problems, prompts, observations, rewards and
 the scripted expert are `runner.env.calc`'s, unchanged: through `runner.tasks.rollout` the main
 job samples, rewards and trains exactly as the calculator's own rollout loop did (the tests
 compare both). Observation targets are the bodies of the ``= <body>\\n`` messages (echo.md §6).
@@ -18,6 +19,7 @@ import numpy as np
 
 from runner.env import calc
 from runner.env import tokenizer as tok
+from runner.tasks._latency import check_latency, with_latency
 from runner.tasks._protocol import StepResult
 from runner.tokenizers import CharTokenizer, Tokenizer
 
@@ -53,6 +55,7 @@ class CalcTask:
     Args:
       max_operand, num_ops, max_turns: `runner.env.calc.CalcEnv`'s.
       max_tokens_per_turn: the token limit of one policy turn.
+      latency_ms, async_env: an emulated tool latency per ``step`` (`runner.tasks._latency`).
     """
 
     stop_token_ids = calc.STOP_TOKEN_IDS
@@ -64,7 +67,10 @@ class CalcTask:
         num_ops: int = 1,
         max_turns: int = 4,
         max_tokens_per_turn: int = 12,
+        latency_ms: float = 0.0,
+        async_env: bool = False,
     ):
+        self.latency_ms, self.async_env = check_latency(latency_ms, async_env)
         for key, value in (
             ("max_operand", max_operand),
             ("num_ops", num_ops),
@@ -80,8 +86,8 @@ class CalcTask:
     def problems(self, rng: np.random.Generator, n: int) -> list[calc.Problem]:
         return [self.env.sample_problem(rng) for _ in range(n)]
 
-    def make_env(self, problem: calc.Problem) -> CalcEpisodeEnv:
-        return CalcEpisodeEnv(self.env, problem)
+    def make_env(self, problem: calc.Problem) -> Any:
+        return with_latency(CalcEpisodeEnv(self.env, problem), self.latency_ms, self.async_env)
 
     def max_prompt_tokens(self) -> int:
         return self.env.max_prompt_tokens()

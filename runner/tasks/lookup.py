@@ -22,7 +22,8 @@ at this scale is what ``benchmarks/echo_study.py`` measures.
 
 ``[task] factory = "runner.tasks.lookup:make_task"`` with ``[task.kwargs]`` ``num_keys`` (table
 size, 2-26), ``hops`` (≥ 1), ``max_turns`` (default ``hops``), ``max_tokens_per_turn`` (8),
-``eval_seed`` (the fixed held-out problems, ``num_eval`` of them, 64). Works with any tokenizer
+``eval_seed`` (the fixed held-out problems, ``num_eval`` of them, 64), ``latency_ms`` and
+``async_env`` (an emulated tool latency per step, `runner.tasks._latency`). Works with any tokenizer
 that encodes a newline as one token (its turns end there); with the built-in one, tokens are
 characters.
 """
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from runner.tasks._latency import check_latency, with_latency
 from runner.tasks._protocol import StepResult
 from runner.tokenizers import Tokenizer
 
@@ -122,7 +124,10 @@ class LookupTask:
         max_tokens_per_turn: int,
         eval_seed: int,
         num_eval: int,
+        latency_ms: float = 0.0,
+        async_env: bool = False,
     ):
+        self.latency_ms, self.async_env = check_latency(latency_ms, async_env)
         self.tokenizer = tokenizer
         self.num_keys, self.hops = num_keys, hops
         self.max_turns, self.max_tokens_per_turn = max_turns, max_tokens_per_turn
@@ -144,8 +149,8 @@ class LookupTask:
     def eval_problems(self) -> list[Lookup]:
         return list(self._eval)
 
-    def make_env(self, problem: Lookup) -> LookupEnv:
-        return LookupEnv(self, problem)
+    def make_env(self, problem: Lookup) -> Any:
+        return with_latency(LookupEnv(self, problem), self.latency_ms, self.async_env)
 
     def prompt(self, problem: Lookup) -> list[int]:
         bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
@@ -195,6 +200,8 @@ def make_task(
     max_tokens_per_turn: int = 8,
     eval_seed: int = 1234,
     num_eval: int = 64,
+    latency_ms: float = 0.0,
+    async_env: bool = False,
 ) -> LookupTask:
     """``[task] factory`` for `LookupTask`.
 
@@ -223,4 +230,6 @@ def make_task(
         max_tokens_per_turn=max_tokens_per_turn,
         eval_seed=int(eval_seed),
         num_eval=num_eval,
+        latency_ms=latency_ms,
+        async_env=async_env,
     )
