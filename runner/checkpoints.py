@@ -218,7 +218,8 @@ def load_resumable(
         )
     # (a hosted control plane may rename the state; the name the runner asked for is recorded)
     saved = identity.get("requested_checkpoint_name", identity.get("checkpoint_name"))
-    if expected_name is not None and saved != expected_name:
+    # (a service may make the name unique with a suffix: ``<name>-<hex>``)
+    if expected_name is not None and not _same_state_name(saved, expected_name):
         raise CheckpointError(
             f"checkpoint manifest's resumable state is {saved!r}, not "
             f"the state saved as {expected_name!r} at this step: refusing to load state saved "
@@ -239,6 +240,16 @@ def load_resumable(
         trainer.load_state(path, with_optimizer=with_optimizer)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot load the resumable state {ref}: {exc}") from None
+
+
+def _same_state_name(saved: Any, expected: str) -> bool:
+    """``saved`` is ``expected`` or ``expected`` with a service's ``-<hex>`` suffix."""
+    if not isinstance(saved, str):
+        return False
+    head, _, tail = saved.rpartition("-")
+    return saved == expected or (
+        head == expected and len(tail) >= 4 and all(c in "0123456789abcdef" for c in tail)
+    )
 
 
 def write_checkpoint(

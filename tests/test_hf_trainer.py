@@ -235,7 +235,7 @@ def test_model_section_builds_every_family(ckpt_dir, tmp_path):
         (['model.arch="llama"', 'model.dtype="float16"'], r"\[model\].dtype must be one of"),
         (['model.arch="llama"', "model.n_kv_heads=3"], "num_heads=2 must be a multiple"),
         (['model.arch="llama"', "model.lora_rank=2", 'model.lora_targets="wq"'], "unknown module"),
-        (["model.logprob_chunk=-1"], r"\[model\].logprob_chunk must be >= 0"),
+        (["model.logprob_chunk=-1"], r"\[model\].logprob_chunk must be a finite number >= 0"),
     ],
 )
 def test_model_section_errors_name_the_key(tmp_path, sets, message):

@@ -14,7 +14,7 @@ one event loop that requests its next turn as soon as its environment has answer
   (and the environments) go on while the model samples.
 * `stream_key` is the one rule for sampling seeds: turn ``turn`` of sample ``sample`` of problem
   ``problem`` of a step seeded ``step_seed`` draws from the random stream ``(call seed, index)``
-  that `stream_key` derives from those four numbers. A backend whose ``sample`` takes ``prompt_indices`` (the local trainer:
+  that `stream_key` derives from those four numbers. A backend whose ``sample`` takes ``row_offsets`` (the local trainer:
   a row's completion depends only on the seed, that index, its tokens and the weights) then
   samples exactly the same tokens whatever order the requests arrived in and however they were
   batched; for other backends a request's index is its position in the call.
@@ -123,10 +123,11 @@ def stream_key(
     return int(step_seed), index
 
 
-def takes_prompt_indices(sampler: Any) -> bool:
-    """Whether ``sampler.sample`` takes ``prompt_indices`` (probed once per rollout service)."""
+def takes_row_offsets(sampler: Any) -> bool:
+    """Whether ``sampler.sample`` takes ``row_offsets``, each prompt's random-stream row (the
+    local trainer; probed once per rollout service)."""
     try:
-        return "prompt_indices" in inspect.signature(sampler.sample).parameters
+        return "row_offsets" in inspect.signature(sampler.sample).parameters
     except (TypeError, ValueError):
         return False
 
@@ -185,7 +186,7 @@ class SampleBatcher:
         self.stop_token_ids = tuple(stop_token_ids)
         self.batch_s = batch_ms / 1000.0
         self.expected, self.version = expected, version
-        self.indexed = takes_prompt_indices(sampler)
+        self.indexed = takes_row_offsets(sampler)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sampler")
         self.pending: list[tuple[list[int], tuple[int, int], asyncio.Future]] = []
         self.calls = 0  # backend calls made
@@ -248,7 +249,7 @@ class SampleBatcher:
         prompts = [p for p, _, _ in items]
         kwargs: dict[str, Any] = {}
         if self.indexed:
-            kwargs["prompt_indices"] = [k[1] for _, k, _ in items]
+            kwargs["row_offsets"] = [k[1] for _, k, _ in items]
         out = self.sampler.sample(
             prompts,
             num_samples=1,
