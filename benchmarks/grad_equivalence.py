@@ -15,7 +15,7 @@ and compares each with ``jax.grad`` of the term through the model (direct), in f
 float64. Differences: ``max_abs = max|g - g_direct|``, ``max_rel = max_abs / max|g_direct|``.
 Trainer passes are counted from the trainer's own counters.
 
-It also compares the ECHO observation conventions (reference/echo.md §5-6) on the same data:
+It also compares the ECHO observation conventions (docs/echo.md#formulas-per-backend (and #observation-masks)) on the same data:
 *paper* (prompt excluded: ``losses.observation_mask(..., include_prompt=False)``), *managed*
 (rLLM Tinker/Fireworks: prompt included, ``include_prompt=True``) and the environment's own
 observation-body mask (the paper's O′, wrappers excluded): the env loss value, the number of

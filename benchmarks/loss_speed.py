@@ -207,7 +207,7 @@ def numpy_loss(lps: list[np.ndarray], seqs: list[Seq]):
 
 
 def cookbook_inputs(lps: list[np.ndarray], seqs: list[Seq]) -> dict:
-    """What the cookbook's closure holds (untimed setup; fireworks-sdk.md §6.2).
+    """What the cookbook's closure holds (untimed setup; docs/training-api.md#the-cookbooks-custom-loss-closure).
 
     Rollout-time Python lists captured by the closure: one scalar advantage per sample, the
     target-aligned reference and rollout ("inf") logprobs, the old-policy logprobs (= rollout here:
@@ -246,7 +246,7 @@ def torch_cookbook_fn(threads: int | None = 1):
     """The cookbook-style closure through the SDK's custom-loss protocol, or None (no torch).
 
     Written here after the data flow of the Fireworks cookbook's ``run_loss_loop`` and GRPO
-    ``policy_fn`` (fireworks-sdk.md §3.1 steps 4-6, §6.2-6.3), with the same loss as foldloss:
+    ``policy_fn`` (docs/training-api.md#custom-losses, §6.2-6.3), with the same loss as foldloss:
 
     * SDK step 4: per datum ``torch.tensor(TensorData.data)`` (a list) with ``requires_grad``;
     * per datum: the response slice from ``prompt_len - 1``; the mask from the datum's

@@ -1,7 +1,7 @@
 """foldloss `losses`: RL post-training loss terms over per-token logprobs, in pure JAX.
 
 Every term has the signature ``term(logprobs[B, T], batch) -> (loss, metrics)``; compose terms
-with `fold`. See DESIGN.md §3-4 for the data conventions.
+with `fold`. See docs/conventions.md#data-conventions (and #the-losses-contract) for the data conventions.
 """
 
 from losses._advantages import (

@@ -7,7 +7,7 @@
   `remax_advantages` — per-token ``[B, T]`` advantages over ``action_mask`` (0 on masked tokens).
 * GAE and `masked_whiten` live in ``_critic.py``.
 
-Formulas, defaults and golden values: reference/policy-losses.md §5 and policy-losses-2.md §6.3
+Formulas, defaults and golden values: docs/sources.md#critic-and-advantage-estimators and docs/sources.md#critic-and-advantage-estimators
 (verl ``verl/trainer/ppo/core_algos.py``, SkyRL ``skyrl/backends/skyrl_train/utils/ppo_utils.py``,
 TRL ``trl/trainer/grpo_trainer.py``).
 """
@@ -203,7 +203,7 @@ def discounted_returns(
     position. At a masked position (``m_t = 0``) the reward is ignored and
 
     * ``reset_on_mask=False`` (default; verl ``compute_reinforce_plus_plus_outcome_advantage``
-      as reference/policy-losses-2.md §6.3 reads it at 1dda039): ``G`` is carried through
+      as docs/sources.md#critic-and-advantage-estimators reads it at 1dda039): ``G`` is carried through
       unchanged (no discount across the span), the same skip rule as `gae`;
     * ``reset_on_mask=True`` (SkyRL, and verl before that commit, "reset after EOS"): ``G`` is
       reset to 0, so earlier tokens see nothing after a masked token.

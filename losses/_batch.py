@@ -1,6 +1,6 @@
 """The `Batch` pytree and the `Term` type that every loss constructor returns.
 
-Data conventions (DESIGN.md §3): every per-token array is *target-aligned* and padded to
+Data conventions (docs/conventions.md#data-conventions): every per-token array is *target-aligned* and padded to
 ``[B, T]``; entry ``[i, t]`` describes target token ``t`` of row ``i``. Masks are 0/1 floats and
 padding is never inferred from token ids. The only differentiable input of a term is
 ``logprobs``; everything in a `Batch` is data.

@@ -1,6 +1,6 @@
 """Value validation of a `Batch`: the host check that names the entry, and its in-graph count.
 
-One set of rules (DESIGN.md §6), in two forms that must agree:
+One set of rules (docs/conventions.md#bad-input), in two forms that must agree:
 
 * `check_batch` — on the host (numpy), raises ``ValueError`` naming field, row, column and rule;
 * `any_violation` — jittable: whether any entry breaks a rule, computed from the same arrays
@@ -69,7 +69,7 @@ def check_batch(
 ) -> None:
     """Validates a batch's values on the host; raises ``ValueError`` naming field, row and column.
 
-    Rules (DESIGN.md §6), the same as `any_violation`:
+    Rules (docs/conventions.md#bad-input), the same as `any_violation`:
 
     * ``action_mask`` and ``obs_mask`` hold only 0 and 1, and never overlap;
     * ``logprobs`` (if given) and ``sampling/old/ref_logprobs`` are finite and ``≤ 0`` (up to

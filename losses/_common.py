@@ -63,7 +63,7 @@ def kl_penalty(
     """Per-token KL estimate ``k(p, target)`` with its stated gradient in ``p``; 0 on masked tokens.
 
     With ``δ = clip(p - target, ±max_log_ratio)`` (the gradient is 0 where the clamp binds) and
-    ``ρ = e^δ`` (reference/policy-losses-2.md §2.2-2.3):
+    ``ρ = e^δ`` (docs/sources.md#kl-variants):
 
     ================  ===========================  ====================  =========================
     ``estimator``     value                        ``∂/∂p``              source

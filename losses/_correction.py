@@ -5,8 +5,8 @@ policy. Decoupled PPO keeps three policies: the behaviour policy ``π_roll`` tha
 (``batch.sampling_logprobs``), the proximal anchor ``π_old`` that the trainer recomputed
 (``batch.old_logprobs``) and the current ``π_θ``. The policy ratio is taken against ``π_old``; the
 mismatch between ``π_old`` and ``π_roll`` is corrected or filtered by a detached per-token weight
-``c`` that multiplies the per-token policy loss ``ℓ`` (reference/policy-losses.md §7,
-policy-losses-2.md §1). With ``lr_t = clip(old_t - sampling_t, ±max_log_ratio)`` on action tokens::
+``c`` that multiplies the per-token policy loss ``ℓ`` (docs/sources.md#mismatch-corrections,
+docs/sources.md#mismatch-corrections). With ``lr_t = clip(old_t - sampling_t, ±max_log_ratio)`` on action tokens::
 
     tis        token: c_t = min(ρ_t, C)              sequence: c_t = min(ρ_i, C)
     mis        token: c_t = ρ_t·1[lo ≤ ρ_t ≤ hi]      sequence: c_t = ρ_i·1[lo ≤ ρ_i ≤ hi]
@@ -22,7 +22,7 @@ rule (``tis``/``mis``/``icepop``) may be normalised to batch mean 1 (``batch_nor
 with the mean carried as data (``Batch.is_weight_mean``, `importance_weight_mean`).
 
 **Denominators.** Every kind folds into the weight: a rejected token's ``c`` is 0 but it stays in
-the reduction's denominators, which depend on masks only (DESIGN.md §4) so that `split_batch` is
+the reduction's denominators, which depend on masks only (docs/conventions.md#the-losses-contract) so that `split_batch` is
 exact. verl's rejection sampling instead writes into ``response_mask``, so rejected tokens leave
 its local token-mean denominator; to reproduce that, AND ``c > 0`` of the rejection rules into
 ``action_mask`` on the full batch before `with_normalizers` and correct with the IS rule alone.
@@ -343,7 +343,7 @@ def mismatch_correction(
         rejection:                 c_t = 1[S within bounds]
         opsm:                      c_t = 0 if A_t < 0 and D_i > delta, else 1
 
-    **Sources** (reference/policy-losses.md §7, policy-losses-2.md §1): TIS — Yao et al. 2025,
+    **Sources** (docs/sources.md#mismatch-corrections, docs/sources.md#mismatch-corrections): TIS — Yao et al. 2025,
     verl ``rollout_is`` with a float threshold, SkyRL ``tis_ratio_type``; MIS — TRL
     ``token_mask``/``sequence_mask``; IcePop — Ring-1T as OpenRLHF ``is_correction_type=
     "icepop"`` and verl ``rollout_is`` with a ``"lo_hi"`` threshold (``exp(old - roll)``, keep

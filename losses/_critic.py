@@ -1,11 +1,11 @@
 """The critic: GAE over token-level rewards, masked whitening, and the clipped value loss.
 
-Everything here works on padded ``[B, T]`` target-aligned arrays (DESIGN.md §3) with a 0/1
+Everything here works on padded ``[B, T]`` target-aligned arrays (docs/conventions.md#data-conventions) with a 0/1
 ``mask`` (``action_mask``: the tokens the policy generated). Masked positions may hold any value
 (``nan``, ``±inf``): every function selects with ``where`` before any arithmetic, so they never
 leak into a result or a gradient.
 
-Sources (reference/policy-losses-2.md §6): verl ``verl/trainer/ppo/core_algos.py``
+Sources (docs/sources.md#critic-and-advantage-estimators): verl ``verl/trainer/ppo/core_algos.py``
 (``compute_gae_advantage_return``, ``compute_value_loss``) and ``verl/utils/torch_functional.py``
 (``masked_whiten``); OpenRLHF ``openrlhf/models/loss.py`` (``ValueLoss``).
 """
@@ -63,7 +63,7 @@ def gae(rewards: Any, values: Any, mask: Any, *, gamma: float, lam: float):
     unchanged (no discount across the span). This is verl ``compute_gae_advantage_return``
     (Schulman et al. 2015, arXiv:1506.02438). OpenRLHF ``get_advantages_and_returns`` instead
     zeroes ``V`` and ``r`` there and decays by γλ across the span; SkyRL runs the plain
-    recursion on the raw values (reference/policy-losses-2.md §6.2: at λ = 0.5 with the middle
+    recursion on the raw values (docs/sources.md#critic-and-advantage-estimators: at λ = 0.5 with the middle
     token masked the three give [0.35, ·, 0.3], [−0.075, 0.85, 0.3], [4.425, −8.15, 0.3]).
 
     Outputs on masked positions are exactly 0 — verl returns the carried ``A_next`` there (and

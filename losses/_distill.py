@@ -1,6 +1,6 @@
 """Distillation terms: sampled-token reverse KL to a teacher, and top-K divergences.
 
-Two families (reference/policy-losses-2.md §5, §7, §8):
+Two families (docs/sources.md#distillation (and #entropy)):
 
 * **Sampled-token reverse KL** (on-policy distillation, OPD). The student samples the tokens;
   the teacher scores them (``batch.teacher_logprobs``, float[B, T]). The per-token reverse KL
@@ -50,7 +50,7 @@ from losses._reductions import term_weights, validate_reduction
 REVERSE_KL_FORMS = ("importance_sampling", "k2", "k3", "ref_kl")
 #: How the top-K terms renormalise the K entries (`topk_forward_kl` accepts all three).
 TOPK_RENORMALIZE = ("none", "teacher", "both")
-#: The top-K entropy approximations of `topk_entropy` (reference §7).
+#: The top-K entropy approximations of `topk_entropy` (docs/sources.md#entropy).
 TOPK_ENTROPY_APPROX = ("truncated", "tail", "renormalized")
 #: Upper clamp of ``log Σ_k e^{x_k}`` before the tail bucket ``log(1 - Σ_k e^{x_k})`` (TRL
 #: ``_add_tail_bucket``): keeps the tail finite when the K entries hold all the mass.
@@ -177,7 +177,7 @@ def reverse_kl_distillation(
       -prob_delta_low]``, gradient ``-keep·(t - p)·r + 2·kl_tau·log r``. prime-rl
       ``ref_kl_loss_fn``.
 
-    What the expected gradient descends (reference §2.1, §5; checked by exact enumeration in
+    What the expected gradient descends (docs/sources.md#kl-variants; checked by exact enumeration in
     tests/test_distill.py): ``importance_sampling`` and ``k2`` on-policy (tokens sampled from
     ``p``), and ``ref_kl`` also off-policy (its ``sg(t - p)`` uses the current ``p`` and ``r``
     reweights the sample; the drift term adds ``2·kl_tau·log r``, and ``keep`` drops tokens),
@@ -604,7 +604,7 @@ def _topk_side_metrics(x: jax.Array, valid: jax.Array, how: str) -> tuple[jax.Ar
 
 
 def topk_entropy(logprobs: Any, *, approx: str = "truncated") -> jax.Array:
-    """Top-K approximations of a distribution's entropy from its top-K logprobs (reference §7).
+    """Top-K approximations of a distribution's entropy from its top-K logprobs (docs/sources.md#entropy).
 
     With ``p_k = e^{x_k}`` (sorted or not) and ``τ = 1 - Σ_k p_k``:
 

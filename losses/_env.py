@@ -118,7 +118,7 @@ def observation_mask(
     prompt_lengths: Any = None,
     include_prompt: bool = False,
 ) -> jax.Array:
-    """The observation mask implied by an action mask (ECHO reference, echo.md §6).
+    """The observation mask implied by an action mask (docs/echo.md#observation-masks).
 
     Every non-padding target that is not an action is an observation, except the prompt:
 

@@ -45,12 +45,12 @@ def grpo(
     are replaced before ``exp`` and get exactly zero gradient. ``clip_high = 0.28`` gives DAPO's
     clip-higher (Yu et al. 2025, arXiv:2503.14476).
 
-    **Two-sided ``delta``** (TRL ``delta``, INTELLECT-2; policy-losses-2.md §3.3): the unclipped
+    **Two-sided ``delta``** (TRL ``delta``, INTELLECT-2; docs/sources.md#newer-objectives): the unclipped
     branch uses ``min(r, δ)``, so the gradient is also 0 for ``A > 0, r > δ`` and for ``A < 0,
-    r > max(hi, δ)``. For ``δ ≥ hi`` it equals ``dual_clip=δ`` (policy-losses.md §3.2): e.g.
+    r > max(hi, δ)``. For ``δ ≥ hi`` it equals ``dual_clip=δ`` (docs/sources.md#the-policy-family): e.g.
     ``r = 5, A = -1, ε = 0.2, δ = 4`` gives ``ℓ = 4`` with gradient 0 (no delta: 5 and 5).
 
-    **KL gradients** per token (δ = p - ref, r = exp(p - old); policy-losses-2.md §2.1, §2.3):
+    **KL gradients** per token (δ = p - ref, r = exp(p - old); docs/sources.md#kl-variants):
 
     ===============================  ===========  ==============  ============================
     keywords                         value        ∂/∂p            expected gradient (y ~ old)

@@ -10,7 +10,7 @@ Every term reduces its per-token loss ``ℓ`` with the weights ``w`` of a reduct
 
 With ``reduction="token_sum"`` and no correction, ``importance_sampling``, ``ppo``, ``cispo``,
 ``dro``, ``dapo`` and ``dppo`` (and ``gspo`` in ``_policy_seq.py``) are the Fireworks/Tinker
-built-in kernels of the same names (Fireworks SDK reference §4); `losses.builtin_twin` says when
+built-in kernels of the same names (docs/training-api.md#builtin-kernels); `losses.builtin_twin` says when
 a term is exactly one, with its ``loss_fn_config``. Hyperparameter names are those
 ``loss_fn_config`` keys (``clip_low_threshold``, ``clip_high_threshold``, ``beta``,
 ``eps_clip_c``, ``divergence``, ``threshold``), so a config moves between paths unchanged.
@@ -633,7 +633,7 @@ def dppo(
 ) -> Term:
     """DPPO: importance-sampled PG with a divergence trust-region mask (Fireworks ``dppo``).
 
-    Instead of clipping the ratio, DPPO (SkyRL ``dppo``; reference/policy-losses.md §3.10) drops
+    Instead of clipping the ratio, DPPO (SkyRL ``dppo``; docs/sources.md#the-policy-family) drops
     the tokens that moved too far *in the improving direction*, measured by a divergence of the
     token's Bernoulli distributions ``μ = e^q`` (anchor) and ``π = e^p`` (current)::
 
@@ -643,7 +643,7 @@ def dppo(
 
     ``D`` is ``binary_tv = |μ - π|`` or ``binary_kl = KL(Bern(μ) ‖ Bern(π))``. The gradient is
     ``-r·A·w`` on kept tokens and exactly 0 on dropped ones. Formula *inferred* (Fireworks SDK
-    reference §4: the built-in is not public); SkyRL's variant has separate low/high thresholds
+    docs/training-api.md#builtin-kernels: the built-in is not public); SkyRL's variant has separate low/high thresholds
     and anchors the ratio on the rollout logprobs (here: on ``old_logprobs``, which defaults to
     the sampling logprobs). With ``reduction="token_sum"`` this is the built-in ``dppo`` kernel.
 
@@ -789,7 +789,7 @@ def sapo(
     """SAPO (Soft Adaptive Policy Optimization): a soft gate instead of the hard clip.
 
     ``g(r; τ) = σ(τ·(r - 1))·4/τ`` with ``τ = tau_pos`` if ``A > 0`` else ``tau_neg``, and
-    ``ℓ = -g(r; τ)·A`` (verl/SkyRL/TRL ``sapo``; reference/policy-losses.md §3.8). Since
+    ``ℓ = -g(r; τ)·A`` (verl/SkyRL/TRL ``sapo``; docs/sources.md#the-policy-family). Since
     ``g'(1) = 1`` the on-policy gradient is the plain policy gradient ``-A·w``; away from
     ``r = 1`` the gradient ``-4σ(1-σ)·r·A·w`` decays smoothly instead of dropping to 0.
 

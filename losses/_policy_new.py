@@ -3,7 +3,7 @@ DPPO-Binary-TV + KL, and `kl_loss` (a KL to the reference or to the sampler, any
 
 Notation as in ``losses/_policy.py``: ``p`` current logprob (the only differentiable input), ``q``
 the anchor (stop-gradient), ``A`` the advantage, ``r = exp(clip(p - q, ±max_log_ratio))``, ``m``
-the action mask, ``w`` the reduction's weights; formulas from reference/policy-losses-2.md §2-3.
+the action mask, ``w`` the reduction's weights; formulas from docs/sources.md#kl-variants (and #newer-objectives).
 
 **Micro-batch statistics.** Clip-Cov and KL-Cov select tokens by a covariance whose means (and
 the selected count) are taken over the valid tokens **of the call**, as verl computes them per
@@ -148,7 +148,7 @@ def clip_cov(
     """Clip-Cov: PPO with a random few high-covariance tokens detached (Cui et al. 2025, "The
     Entropy Mechanism of RL for Reasoning LMs"; verl ``compute_policy_loss_clip_cov``).
 
-    Per valid token of the call (policy-losses-2.md §3.1)::
+    Per valid token of the call (docs/sources.md#newer-objectives)::
 
         ℓ_t   = max(-A·r, -A·clip(r, lo, hi))                        (PPO, no dual clip)
         cov_t = (A_t - mean A)·(sg(p_t) - mean sg(p))                 (means over the call)
@@ -194,7 +194,7 @@ def clip_cov(
 
     Example:
       >>> import jax.numpy as jnp, losses
-      >>> lp = jnp.array([[-0.5, -3.0, -1.0, -3.0]])    # policy-losses-2.md §3.1: on-policy
+      >>> lp = jnp.array([[-0.5, -3.0, -1.0, -3.0]])    # docs/sources.md#newer-objectives: on-policy
       >>> batch = losses.Batch(action_mask=jnp.ones((1, 4)), sampling_logprobs=lp,
       ...                      advantages=jnp.array([[2.0, 2.0, -2.0, -2.0]]))
       >>> _, metrics = losses.clip_cov(reduction="token_sum")(lp, batch)
@@ -283,7 +283,7 @@ def kl_cov(
     """KL-Cov: IS policy gradient plus an ``|p - q|`` penalty on the highest-covariance tokens
     (Cui et al. 2025; verl ``compute_policy_loss_kl_cov``).
 
-    Per valid token of the call (policy-losses-2.md §3.1)::
+    Per valid token of the call (docs/sources.md#newer-objectives)::
 
         cov_t = (A_t - mean A)·(sg(p_t) - mean sg(p))                 (means over the call)
         K     = the k = max(⌊kl_cov_ratio·N⌋, 1) tokens of largest cov (ties: lower row-major
@@ -361,7 +361,7 @@ def vespo(
     """VESPO: a detached gamma-shaped sequence weight on the REINFORCE gradient (TRL
     ``loss_type="vespo"``, ``get_gamma_weights``).
 
-    Per row ``i`` and action token ``t`` (policy-losses-2.md §3.2; ``c_t`` the token-level
+    Per row ``i`` and action token ``t`` (docs/sources.md#newer-objectives; ``c_t`` the token-level
     mismatch correction's weight, 1 without one)::
 
         log w_i = clip(Σ_t m·clip(p - q, ±max_log_ratio) + Σ_t m·log clip(c_t, 1e-8, e^20),
@@ -456,7 +456,7 @@ def dppo_tv_kl(
 
     Everything is against the **sampler**, ``μ = batch.sampling_logprobs`` (prime-rl has no
     old-policy recompute): ``r = exp(clip(p - μ, ±max_log_ratio))``, not detached, and with
-    ``Δp = e^p - e^μ`` (policy-losses-2.md §3.4)::
+    ``Δp = e^p - e^μ`` (docs/sources.md#newer-objectives)::
 
         drop_t = (A > 0 and Δp > mask_high) or (A ≤ 0 and Δp < -mask_low)
         ℓ_t    = -(1 - drop_t)·adv_tau·A·r + kl_tau·(log r)²
@@ -536,7 +536,7 @@ def kl_loss(
     estimator="k3", importance_weight=True)))``) to give that term a KL penalty; `losses.grpo`
     and `losses.reinforce` also take the reference KL as keywords (``kl_coef``, ...). ``δ = clip(p
     - target, ±max_log_ratio)``, ``ρ = e^δ``, ``r = exp(clip(p - old, ±max_log_ratio))``. Per
-    token, value and gradient (policy-losses-2.md §2; the §2.3 example, ``p = log[0.5, 0.2]``,
+    token, value and gradient (docs/sources.md#kl-variants; the §2.3 example, ``p = log[0.5, 0.2]``,
     ``ref = log[0.4, 0.4]``, ``old = roll = log[0.4, 0.25]``, in the last column):
 
     ==========================  ===============  ===============  ================================

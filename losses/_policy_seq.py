@@ -72,7 +72,7 @@ def gspo(
     suggests).
 
     **TRL GSPO-token** (``trl/experimental/gspo_token``, ``importance_sampling_level=
-    "sequence_token"``; policy-losses-2.md §3.3) is this term with no ``≤ 10`` clamp: take
+    "sequence_token"``; docs/sources.md#newer-objectives) is this term with no ``≤ 10`` clamp: take
     ``seq_ratio_log_cap ≥ max_log_ratio`` (e.g. 20), which never binds because ``log s_i`` is a
     mean of log-ratios clamped to ``±max_log_ratio``; TRL's ``delta`` is the ``delta`` keyword.
     With ``delta = δ`` the unclipped branch uses ``min(s_it, δ)`` (as `losses.grpo`): the
@@ -127,7 +127,7 @@ def luspo(
     """LUSPO: the GSPO sequence loss scaled by the row's length (TRL ``loss_type="luspo"``).
 
     Length-Unbiased Sequence Policy Optimization (TRL ``grpo_trainer.py``, after PR #6654;
-    policy-losses-2.md §3.2) multiplies GSPO's per-sequence loss ``ℓ_i = -min(s_i·A_i,
+    docs/sources.md#newer-objectives) multiplies GSPO's per-sequence loss ``ℓ_i = -min(s_i·A_i,
     clip(s_i, lo, hi)·A_i)`` by ``N_i`` and averages over sequences::
 
         L = (1/N) Σ_i N_i·ℓ_i = (1/N) Σ_i Σ_t m_it·ℓ_i         (N = rows with a token)
@@ -275,7 +275,7 @@ def gmpo(
 
     Geometric-Mean Policy Optimization (Zhao et al. 2025) maximizes the geometric mean of the
     token ratios instead of their arithmetic mean. With ``x_t = clip(p_t - q_t,
-    ±max_log_ratio)`` and ``N_i`` the action tokens of row ``i`` (reference/policy-losses.md
+    ±max_log_ratio)`` and ``N_i`` the action tokens of row ``i`` (docs/sources.md
     §3.7)::
 
         x̃_t = min(x_t, clip_high)   if A_t > 0     (= sgn(A)·min(sgn(A)·x, sgn(A)·clip(x, -lo, hi)))

@@ -1,6 +1,6 @@
 """Preference losses over sequence logprobs: the DPO family, SimPO, CPO, ORPO and KTO.
 
-Notation (reference/policy-losses-2.md §4): for a row ``i`` with action mask ``m``,
+Notation (docs/sources.md#preference-terms): for a row ``i`` with action mask ``m``,
 ``S_i = Σ_t m·logp`` (the completion's logprob), ``R_i = Σ_t m·ref_logprobs`` (the same under the
 reference), ``N_i = Σ_t m`` (its length) and ``ℓ_i = S_i / N_i`` (its mean token logprob).
 
@@ -26,7 +26,7 @@ an exactly-zero gradient (so all-zero padding pairs change nothing in-graph), an
 desirable, and the batch KL baseline ``z0`` is the 0-d ``Batch.kl_baseline`` (computed once over
 the optimizer batch with `kto_kl_baseline`, never inside a micro-batch).
 
-Sources (commits in reference/policy-losses-2.md §0): huggingface/trl
+Sources (commits in docs/sources.md#revisions-read): huggingface/trl
 ``trl/trainer/dpo_trainer.py::_compute_loss``, ``trl/experimental/cpo/cpo_trainer.py::cpo_loss``,
 ``trl/experimental/orpo/orpo_trainer.py::odds_ratio_loss``, ``trl/trainer/kto_trainer.py``;
 OpenRLHF ``openrlhf/models/loss.py`` (``DPOLoss``); fw-ai/cookbook ``training/utils/losses.py``
@@ -47,7 +47,7 @@ from losses._batch import Batch, Term, check_logprobs_shape, count, require
 from losses._common import check_choice, check_number, safe
 from losses._reductions import num_rows as _num_rows
 
-#: The TRL ``DPOConfig.loss_type`` values `dpo` implements (reference §4.1).
+#: The TRL ``DPOConfig.loss_type`` values `dpo` implements (docs/sources.md#preference-terms).
 DPO_LOSS_TYPES = (
     "sigmoid",
     "hinge",
@@ -369,7 +369,7 @@ def dpo(
     Sources: huggingface/trl ``trl/trainer/dpo_trainer.py::_compute_loss`` (defaults β 0.1,
     ``label_smoothing`` 0, ``discopop_tau`` 0.05); OpenRLHF ``openrlhf/models/loss.py``
     (``DPOLoss``, cDPO); tinker-cookbook ``preference/train_dpo.py`` (interleaved layout, mean
-    over pairs, metrics); reference/policy-losses-2.md §4.
+    over pairs, metrics); docs/sources.md#preference-terms.
 
     Args:
       beta: β > 0.
@@ -542,7 +542,7 @@ def cpo(
     ``simpo_gamma`` only by ``simpo``. ``cpo(loss_type="simpo", cpo_alpha=0)`` is `simpo`.
 
     Source: huggingface/trl ``trl/experimental/cpo/cpo_trainer.py::cpo_loss`` (defaults β 0.1,
-    ``cpo_alpha`` 1.0, ``simpo_gamma`` 0.5, ``alpha`` 0); reference/policy-losses-2.md §4.1.
+    ``cpo_alpha`` 1.0, ``simpo_gamma`` 0.5, ``alpha`` 0); docs/sources.md#preference-terms.
 
     Args:
       beta: β > 0.
@@ -612,7 +612,7 @@ def simpo(
     β 2, γ 1.
 
     Source: huggingface/trl ``trl/experimental/cpo/cpo_trainer.py::cpo_loss``;
-    reference/policy-losses-2.md §4.1, §4.3.
+    docs/sources.md#preference-terms.
 
     Args:
       beta: β > 0.
@@ -682,7 +682,7 @@ def orpo(*, beta: float = 0.1) -> Term:
 
     Source: huggingface/trl ``trl/experimental/orpo/orpo_trainer.py::odds_ratio_loss``;
     fw-ai/cookbook ``training/utils/losses.py::make_batch_orpo_loss_fn``;
-    reference/policy-losses-2.md §4.1.
+    docs/sources.md#preference-terms.
 
     Args:
       beta: β > 0, the weight of the odds-ratio term (TRL default 0.1).
@@ -747,7 +747,7 @@ def kto(
     a stop-gradient constant here, as in TRL (``z0 = clamp(mean(sg(S_KL − R_KL)), min=0)``).
 
     Source: huggingface/trl ``trl/trainer/kto_trainer.py`` (defaults β 0.1, ``desirable_weight``
-    and ``undesirable_weight`` 1.0); reference/policy-losses-2.md §4.1, §4.3.
+    and ``undesirable_weight`` 1.0); docs/sources.md#preference-terms.
 
     Args:
       beta: β > 0.
@@ -842,7 +842,7 @@ def kto_kl_baseline(logprobs: Any, batch: Batch) -> jax.Array:
        then split: every micro-batch carries the same ``z0`` (the field is never sliced).
 
     Source: huggingface/trl ``trl/trainer/kto_trainer.py`` (``kl = (policy_KL_logps −
-    reference_KL_logps).mean().clamp(min=0)`` after gathering); reference/policy-losses-2.md §4.1.
+    reference_KL_logps).mean().clamp(min=0)`` after gathering); docs/sources.md#preference-terms.
 
     Args:
       logprobs: policy logprobs of the KL (mismatched) sequences; float[B, T].

@@ -14,7 +14,7 @@ def builtin_twin(term: Any) -> tuple[str, dict[str, Any]] | None:
     per-token advantages, ``A'_{i,t} = A_{i,t}·w_{i,t}`` with ``w = losses.term_weights(batch,
     "action", reduction, max_tokens)`` (0 off the action mask), sending ``old_logprobs`` as the
     datum ``logprobs``, and calling ``forward_backward(datums, loss_fn, loss_fn_config)``. Every
-    built-in sums over tokens (Fireworks SDK reference §4), so this is exact when the per-token
+    built-in sums over tokens (docs/training-api.md#builtin-kernels), so this is exact when the per-token
     loss is positively homogeneous in ``A`` — true of ``importance_sampling``, ``ppo``,
     ``cispo``, ``dapo``, ``gspo``, ``dppo`` and ``grpo`` without KL, for every reduction. The
     config's keys are the terms' own keyword names, so ``getattr(losses, name)(reduction=

@@ -1,6 +1,6 @@
 """The client-loss adapter: any `losses` term on any `Trainer`, without torch.
 
-This re-implements the SDK's ``forward_backward_custom`` (reference/fireworks-sdk.md §3.1, §3.4)
+This re-implements the SDK's ``forward_backward_custom`` (docs/training-api.md#custom-losses)
 with JAX:
 
 1. one ``forward`` for the current per-token logprobs (skipped when the caller passes a forward

@@ -2,7 +2,7 @@
 
 Every backend declares the kernels it runs from this table (`supported`) and validates a
 ``loss_fn_config`` with the same function (`resolve_config`), so a config is accepted or rejected
-identically everywhere (DESIGN.md §5; reference/fireworks-sdk.md §4). Each `KernelSpec` also
+identically everywhere (docs/conventions.md#the-runner-contract; docs/training-api.md#builtin-kernels). Each `KernelSpec` also
 builds the `losses` term that computes the kernel exactly with ``reduction="token_sum"`` over a
 batch whose ``action_mask`` is 1 on every real target (``q`` = the datum ``logprobs`` as
 ``sampling_logprobs``): the local trainer runs that term, and tests compare backends with it.

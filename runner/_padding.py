@@ -1,7 +1,7 @@
 """Ragged sequences ↔ padded ``[B, T]`` batches, with length and row buckets.
 
 Padding to buckets keeps jit compilations to one per ``(rows, length)`` bucket instead of one per
-step (DESIGN.md §7). Padding rows and columns are all-zero masks, so they change no loss (the
+step (docs/conventions.md#performance-rules). Padding rows and columns are all-zero masks, so they change no loss (the
 ``losses`` terms are padding-invariant and ``N`` never counts all-zero rows).
 
 Padded arrays are allocated 64-byte aligned (`aligned_zeros`): XLA:CPU then uses the numpy buffer

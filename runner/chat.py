@@ -11,7 +11,7 @@ output). Two renderers, chosen by the tokenizer (`renderer_for`):
 * `TemplateRenderer` — a jinja2 chat template (Hugging Face ``tokenizer_config.json``), rendered
   as ``transformers`` does (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``,
   ``tojson``, ``{% generation %}`` accepted). The trained span of assistant message ``k`` is
-  found by the prefix-difference method (reference/tasks-and-data.md §2.2): the text of
+  found by the prefix-difference method (docs/sft.md#the-input-batch): the text of
   ``messages[:k]`` with the generation prompt, ``P_k``, and the text of ``messages[:k+1]``,
   ``F_k``; the span is ``F_k[len(P_k):]`` (the content and the end-of-turn tokens, as the
   template writes them). The full text is tokenized once with character offsets, and a token is

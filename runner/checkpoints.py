@@ -1,6 +1,6 @@
 """Run-level checkpoints: resumable state + run state + optional promotable weights, a manifest.
 
-Layout under ``runs/<name>/checkpoints/`` (after reference/sft-translation.md §7)::
+Layout under ``runs/<name>/checkpoints/`` (after docs/sft.md#checkpoints-and-resume)::
 
     step_000010/manifest.json   identities of the resumable state and the promotable weights
                                 (recorded separately, each with the sha256 of every local file),

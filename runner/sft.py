@@ -1,6 +1,6 @@
 """SFT batch → cross-entropy `Seq` translation, and the collator that builds such batches.
 
-The contract is SkyRL's native Fireworks SFT backend (``reference/sft-translation.md`` §2-4):
+The contract is SkyRL's native Fireworks SFT backend (`docs/sft.md` §2-4):
 a collated batch holds left-padded ``sequences`` / ``attention_mask`` ``[B, L]`` and a
 right-aligned, batch-normalized ``loss_mask`` ``[B, A]`` (weights summing to 1 over the batch).
 `translate_sft_batch` turns it into one `runner.Seq` per supervised row, whose ``weights`` input
@@ -71,7 +71,7 @@ def sft_seq(model_input: Any, target_tokens: Any, weights: Any, index: int = 0) 
 def translate_sft_batch(
     sequences: Any, attention_mask: Any, loss_mask: Any, *, max_seq_len: int
 ) -> list[Seq]:
-    """Translates a collated SFT batch into cross-entropy `Seq`s (sft-translation.md §3).
+    """Translates a collated SFT batch into cross-entropy `Seq`s (docs/sft.md#the-translation).
 
     For each row ``i``: strip the left padding by ``attention_mask`` (never by the pad id, so a
     real token equal to the pad id is kept); require ≥ 2 tokens; shift (``model_input =
@@ -93,7 +93,7 @@ def translate_sft_batch(
       per row with a nonzero weight, in row order; ``[]`` for an empty batch (B = 0).
 
     Raises:
-      ValueError: with the sft-translation.md §4 message fragments:
+      ValueError: with the docs/sft.md#the-translation message fragments:
         ``requires rank-2 tensor field '<name>'``, ``field '<name>' has the wrong batch
         dimension``, ``attention_mask[i] must describe contiguous left padding``, ``sample i must
         contain at least two tokens``, ``has model-input length N, exceeding max_seq_len=M``,

@@ -133,7 +133,7 @@ POLICY_CONFIGS = [
     ("grpo", dict(clip_high=0.28, correction=RS_CHAIN)),
     ("cispo", dict(reduction="seq_mean_token_sum", correction=RS_SEQ)),
 ]
-# -- policy-losses-2.md §2-3 (task policy2): KL variants, newer objectives ----------------------
+# -- docs/sources.md#kl-variants (task policy2): KL variants, newer objectives ----------------------
 #: Generic properties that cannot hold (or that the generic oracle does not model) for a case,
 #: as ``(test function name, reason)`` pairs; `over` marks them skipped with the reason.
 _REF = "test_matches_numpy_reference"

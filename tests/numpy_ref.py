@@ -1,6 +1,6 @@
 """Independent NumPy references (value and analytic gradient) for the core terms.
 
-Written from the formulas in reference/policy-losses.md and echo.md with explicit loops over
+Written from the formulas in docs/sources.md and docs/echo.md with explicit loops over
 rows, so that they share no code with `losses`.
 """
 

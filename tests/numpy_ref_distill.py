@@ -1,6 +1,6 @@
 """Independent NumPy references (value and gradient, float64) for the distillation terms.
 
-Written from reference/policy-losses-2.md §5 and §7 with explicit loops over tokens and top-K
+Written from docs/sources.md#distillation (and #entropy) with explicit loops over tokens and top-K
 entries, sharing no code with `losses`. Sampled-token forms have analytic gradients; the top-K
 divergences get a central finite difference of the per-token divergence in each student entry
 (plus analytic gradients for the forms whose derivative is short, see `topk_grad_analytic`).

@@ -1,6 +1,6 @@
 """Independent NumPy references (value and analytic gradient) for the policy family.
 
-Written from the formulas of reference/policy-losses.md §3, §7 and the Fireworks SDK reference
+Written from the formulas of docs/sources.md#the-policy-family (and #mismatch-corrections) and the Fireworks SDK reference
 §4, token by token with explicit loops, sharing no code with `losses` (the reduction weights come
 from tests/numpy_ref.py, itself independent). Every function returns ``(value, grad[B, T])`` of
 ``L = Σ w·c·ℓ (+ β·Σ w·k)`` for the given batch and constructor keywords; defaults are restated
@@ -198,7 +198,7 @@ def correction_ref(batch, corr, lp=None):
 
 
 def _kl(lp_ij, ref_ij, estimator, m, score=False, old_ij=None):
-    """(value, ∂/∂p) of one token's KL estimate (policy-losses-2.md §2.2-2.3); ``old_ij`` given:
+    """(value, ∂/∂p) of one token's KL estimate (docs/sources.md#kl-variants); ``old_ij`` given:
     times ``r = exp(clamp(p - old))`` (product rule; ``r`` detached for score-function forms)."""
     dk, inside = _clamp(lp_ij - ref_ij, m)
     rho = math.exp(dk)
@@ -384,7 +384,7 @@ def _sequence_ref(kind, lp, batch, **cfg):
     return value, grad
 
 
-# -- newer objectives (policy-losses-2.md §3) and the standalone KL term (§2) ---------------------
+# -- newer objectives (docs/sources.md#newer-objectives) and the standalone KL term (§2) ---------------------
 
 NEW_KINDS = ("clip_cov", "kl_cov", "vespo", "dppo_tv_kl")
 

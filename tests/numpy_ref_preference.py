@@ -1,6 +1,6 @@
 """Independent NumPy references (value, analytic gradient, metrics) for the preference terms.
 
-Written from reference/policy-losses-2.md §4 with plain ``math`` on Python floats, pair by pair,
+Written from docs/sources.md#preference-terms with plain ``math`` on Python floats, pair by pair,
 sharing no code with `losses`. Each per-pair loss comes with its analytic derivatives with respect
 to the completions' logprob sums ``S_c`` and ``S_r``; the gradient with respect to a token's
 logprob is ``m_t·∂L/∂S`` of its row. `finite_difference` checks those derivatives with a central

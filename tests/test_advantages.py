@@ -1,5 +1,5 @@
 """Advantage estimators (losses/_advantages.py) against NumPy loop references, the golden values
-of reference/policy-losses-2.md §6.3, their singleton/tie rules, NaN safety and errors."""
+of docs/sources.md#critic-and-advantage-estimators, their singleton/tie rules, NaN safety and errors."""
 
 import functools
 

@@ -1,7 +1,7 @@
 """Mismatch corrections and off-policy filters (`losses.mismatch_correction`,
 `losses.correction_chain`, `losses.importance_weight_mean`; mirrors losses/_correction.py).
 
-Here: weights by hand and the golden values of reference/policy-losses-2.md §1.6 (IcePop, slime,
+Here: weights by hand and the golden values of docs/sources.md#mismatch-corrections (IcePop, slime,
 TIS batch-normalised, OpenRLHF, rllm, verl rejection statistics, SkyRL, OPSM), the identity in
 bypass mode, what a correction scales, the chain API, batch normalisation with the mean as data
 (NumPy reference, split_batch exactness, jit/vmap, permutation), denominators, peer-bug
@@ -584,7 +584,7 @@ def test_reads_and_requires():
 
 @pytest.mark.parametrize("corr", [ICEPOP, OPSM, RS_CHAIN, RS_SEQ, BN_TOK, BN_SEQ], ids=str)
 def test_masked_huge_log_ratio_gives_finite_zero_gradient(corr):
-    # policy-losses.md §10.3 (TRL #3015 class): a masked position whose log-ratio is 200 must
+    # docs/sources.md#defects-in-peer-implementations (TRL #3015 class): a masked position whose log-ratio is 200 must
     # not make the gradient nan; in a sequence sum it must not enter the row statistic either.
     lp = jnp.array([[-1.0, 0.0], [-0.5, -2.0]])
     batch = losses.Batch(

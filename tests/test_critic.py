@@ -1,7 +1,7 @@
 """The critic (losses/_critic.py): `gae`, `masked_whiten` and the `value_loss` term.
 
 Each is checked against an independent NumPy loop reference (float64), the golden values of
-reference/policy-losses-2.md §6.1-6.2, NaN safety on masked positions, and, for the term,
+docs/sources.md#critic-and-advantage-estimators, NaN safety on masked positions, and, for the term,
 split_batch exactness, permutation and padding invariance, jit and vmap.
 """
 

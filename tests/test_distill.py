@@ -1,6 +1,6 @@
 """Distillation terms (losses/_distill.py): NumPy references, golden values, properties.
 
-Golden values are reference/policy-losses-2.md §5 (sampled-token and top-K worked examples, GKD
+Golden values are docs/sources.md#distillation (sampled-token and top-K worked examples, GKD
 JSD), §2.1 (exact enumeration over a vocabulary of 3) and §7 (top-K entropy). The per-case
 properties run on one shape, (4, 6) (top-K: (4, 6, 3)), and the (2, 6) micro-batches of
 `split_batch`, so each case compiles twice (`tests.cases.value_and_grad`, which also checks on
@@ -413,7 +413,7 @@ def test_jit_equals_eager_and_vmap_over_stacked_batches(case):
     )
 
 
-# -- 5. golden values (reference §5, §7) --------------------------------------------------------
+# -- 5. golden values (docs/sources.md#distillation) --------------------------------------------------------
 
 
 def assert_golden(actual, expected):

@@ -86,7 +86,7 @@ def test_empty_observations_give_exact_zero_value_and_gradient():
             assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
-# --- Golden values: rllm tests/unified_trainer/test_aux_loss.py (echo.md §9.1) ---------------
+# --- Golden values: rllm tests/unified_trainer/test_aux_loss.py (docs/echo.md#edge-cases) ---------------
 
 
 def test_golden_inprocess_env_loss_equals_paper_l_env():  # rllm test 15

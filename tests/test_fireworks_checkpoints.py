@@ -1,4 +1,4 @@
-"""The Fireworks checkpoint contract (reference/sft-translation.md §7) over the real SDK.
+"""The Fireworks checkpoint contract (docs/sft.md#checkpoints-and-resume) over the real SDK.
 
 Against the local server's Fireworks flavour (`runner.serve`), with the behaviours of a hosted
 control plane injected as server faults (`tests.test_serve_fireworks.Wire`: renamed, lagging,

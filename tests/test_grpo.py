@@ -33,7 +33,7 @@ def test_clip_fractions_count_the_clipped_action_tokens(case, data):
 
 
 def test_negative_advantage_clip_is_not_inverted():
-    # EasyDeL's defect (policy-losses.md §10.1): A=-1, eps=0.2. At r=0.5 PPO's gradient is 0,
+    # EasyDeL's defect (docs/sources.md#defects-in-peer-implementations): A=-1, eps=0.2. At r=0.5 PPO's gradient is 0,
     # at r=2.0 it is -A·r·w = +2.0 (in d/dlogp), never the other way round.
     batch = losses.Batch(
         action_mask=jnp.ones((1, 2)),

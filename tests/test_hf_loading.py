@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint directories without torch (reference/hf-models.md §4.2): numpy-written
+"""Hugging Face checkpoint directories without torch (docs/hf-models.md#writing-test-models-without-torch): numpy-written
 safetensors + config.json load, both config layouts agree, tied and sharded checkpoints round
 trip, and every loading error path names the file, tensor or key.
 """
@@ -42,7 +42,7 @@ def base_config(**over):
 
 
 def hf_tensors(seed=0, tied=True, dtype=np.float32):
-    """The tensor dict by HF names (reference §2.2), written independently of the loader."""
+    """The tensor dict by HF names (docs/hf-models.md#tensors-and-files), written independently of the loader."""
     rng = np.random.default_rng(seed)
 
     def r(*shape):

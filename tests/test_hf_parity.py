@@ -5,7 +5,7 @@ decoding path gives the same logits; what the JAX side saves loads back into `tr
 the same logits; bfloat16 stays as close to the float32 reference as torch's own bfloat16.
 
 Weights are scaled ×10 (norm weights 1 + 0.1·N(0, 1)) so that logits are O(1) and every
-single-flag mistake of reference/hf-models.md §7.2 (interleaved RoPE, GQA tile, wrong scale or ε,
+single-flag mistake of docs/hf-models.md#parity (interleaved RoPE, GQA tile, wrong scale or ε,
 ignored rope scaling) is far above the tolerance.
 """
 

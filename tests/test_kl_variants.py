@@ -1,4 +1,4 @@
-"""KL variants (reference/policy-losses-2.md §2): the §2.3 per-token golden table, the §2.1
+"""KL variants (docs/sources.md#kl-variants): the §2.3 per-token golden table, the §2.1
 exact-enumeration test (which estimator descends which divergence), the importance-weight and
 score-function keywords of `grpo` / `reinforce`, the standalone `losses.kl_loss`, and the
 sampler-KL forms of prime-rl and rllm.
@@ -312,7 +312,7 @@ def test_detaching_the_weight_would_bring_back_the_forward_kl_bias():
 
 
 def test_k1_as_a_loss_has_a_zero_mean_gradient():
-    # policy-losses.md §10.4 (Tunix's k1 default): on-policy k1 regularises nothing in
+    # docs/sources.md#defects-in-peer-implementations (Tunix's k1 default): on-policy k1 regularises nothing in
     # expectation; the score-function k1 form does.
     _, k1 = _enumerate(dict(estimator="k1"), True)
     _, sf = _enumerate(dict(estimator="k1", score_function=True), True)

@@ -1,6 +1,6 @@
 """The policy family (losses/_policy.py, losses/_policy_seq.py, losses/_policy_new.py): configs
 that rebuild their terms, regressions for peer defects, bad input, and the newer objectives of
-reference/policy-losses-2.md §3 (Clip-Cov, KL-Cov, VESPO, LUSPO, two-sided delta, GSPO-token,
+docs/sources.md#newer-objectives (Clip-Cov, KL-Cov, VESPO, LUSPO, two-sided delta, GSPO-token,
 prime-rl DPPO-Binary-TV + KL) with their worked examples and what holds of them where a generic
 property cannot (random subsets, micro-batch statistics).
 
@@ -47,7 +47,7 @@ def test_config_holds_the_keywords_and_rebuilds_the_term(case):
     np.testing.assert_array_equal(np.asarray(rebuilt(lp, batch)[0]), np.asarray(t(lp, batch)[0]))
 
 
-# -- 2. regressions for peer defects (policy-losses.md §10, Fireworks SDK reference §8) ---------
+# -- 2. regressions for peer defects (docs/sources.md#defects-in-peer-implementations, docs/training-api.md#known-pitfalls) ---------
 
 
 def _one_token_rows(lp, old, adv):
@@ -101,7 +101,7 @@ def test_clipped_ratio_coefficient_is_stop_gradient(term):
 
 @pytest.mark.parametrize("estimator", losses.KL_ESTIMATORS)
 def test_reinforce_kl_penalty_has_a_true_gradient(estimator):
-    # The Fireworks cookbook's REINFORCE adds β(sg(π) - ref): zero gradient (SDK reference §8).
+    # The Fireworks cookbook's REINFORCE adds β(sg(π) - ref): zero gradient (docs/training-api.md#known-pitfalls).
     lp = jnp.array([[-1.0, -2.0, -0.5]])
     batch = losses.Batch(
         action_mask=jnp.ones((1, 3)),
@@ -256,7 +256,7 @@ def test_docstring_examples_run():
         assert result.failed == 0, mod
 
 
-# -- 5. newer objectives (policy-losses-2.md §3) --------------------------------------------------
+# -- 5. newer objectives (docs/sources.md#newer-objectives) --------------------------------------------------
 
 
 def _vg(term, lp, batch):

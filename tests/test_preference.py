@@ -5,7 +5,7 @@ one batch pytree structure (normalizers always carried), so each case compiles i
 value-and-gradient once: the NumPy reference (tests/numpy_ref_preference.py), NaN safety on masked
 positions, split_batch exactness (micro-batches padded back to 8 rows with all-zero pairs, which
 contribute 0), pair-preserving permutation, padding columns, the chosen/rejected swap, jit = eager
-and vmap. Then the reference's worked examples (policy-losses-2.md §4.3) as golden values, the
+and vmap. Then the reference's worked examples (docs/sources.md#preference-terms) as golden values, the
 peer-bug regressions of §4, β limits, constructor and `check_batch` errors.
 """
 
@@ -387,7 +387,7 @@ def test_vmap_over_a_stack_of_batches(case):
     assert metrics["loss"].shape == (2,)
 
 
-# -- 5. golden values: policy-losses-2.md §4.3 (β = 0.1) ------------------------------------------
+# -- 5. golden values: docs/sources.md#preference-terms (β = 0.1) ------------------------------------------
 
 # S_c = −10, R_c = −12, S_r = −15, R_r = −14, N_c = 4, N_r = 5: c = 2, ρ = −1, Δ = 3, x = 0.3.
 GOLDEN_MASK = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], f64)

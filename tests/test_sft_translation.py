@@ -1,4 +1,4 @@
-"""SFT batch → cross-entropy Seq translation (sft-translation.md §3-4) and the collator."""
+"""SFT batch → cross-entropy Seq translation (docs/sft.md#the-translation) and the collator."""
 
 import numpy as np
 import pytest

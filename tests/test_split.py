@@ -10,7 +10,7 @@ import losses
 
 
 def test_split_batch_without_normalizers_would_differ():
-    # Regression for the chunk-normalization bug (rllm #782, echo.md E7): per-micro-batch
+    # Regression for the chunk-normalization bug (rllm #782, docs/echo.md#edge-cases): per-micro-batch
     # denominators inflate the loss. split_batch must not behave like that.
     lp = -jnp.ones((2, 2))
     batch = losses.Batch(

@@ -110,7 +110,7 @@ def test_builtin_twin_is_none_when_no_kernel_is_exact(term):
 
 
 def _fw_kernel(name, cfg, lp, q, adv, mask):
-    """A built-in ``loss_fn`` written from the Fireworks SDK reference §4 table (independent of
+    """A built-in ``loss_fn`` written from the docs/training-api.md#builtin-kernels table (independent of
     `losses`): a raw sum over every target position; the datum has no mask (the runner folds it
     into ``adv``), except the ``gspo`` sequence mean, which we assume runs over action tokens."""
     r = jnp.exp(lp - q)

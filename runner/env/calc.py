@@ -10,7 +10,7 @@ Text protocol (character-level, `runner.env.tokenizer`):
 * **Observation** (environment) after every non-final action: ``= <body>\\n``. The *body* is the
   result (``96``) or an error (``error: bad expression``, ``error: unknown command``,
   ``error: result too large``). ``"= "`` and ``"\\n"`` are formatting wrappers: only the body is an
-  observation target (the paper's O′, echo.md §3.1 and §6). The body is a deterministic function
+  observation target (the paper's O′, docs/echo.md#observation-masks). The body is a deterministic function
   of the action text alone, hence of the history: predicting it is learnable.
 * **End**: the episode ends after an answer line (``ans``/``ans ...``), after a turn that does not
   end in a newline (EOS or the per-turn token limit), or after ``max_turns`` actions; no
@@ -480,7 +480,7 @@ class Trajectory:
 
 
 def trajectory_to_seq(trajectory: Trajectory) -> Seq:
-    """A trajectory as a `runner.Seq`, with target-aligned masks (DESIGN.md §3).
+    """A trajectory as a `runner.Seq`, with target-aligned masks (docs/conventions.md#data-conventions).
 
     ``tokens`` = [prompt][action][observation][action]...; per-target inputs (entry ``j - 1``
     describes token ``j``):

@@ -2,7 +2,7 @@
 
 A `runner.Seq` (full tokens ``x[0..N-1]`` plus target-aligned per-token inputs of length
 ``N-1``) becomes ``Datum(model_input=ModelInput.from_ints(x[:-1]), loss_fn_inputs={
-"target_tokens": int64 x[1:], <field>: float32[N-1], ...})`` (reference/fireworks-sdk.md §2.4).
+"target_tokens": int64 x[1:], <field>: float32[N-1], ...})`` (docs/training-api.md#datum-layout).
 Only float32 and int64 numpy arrays reach the SDK (it rejects jax arrays, bool, unsigned and
 bfloat16 inputs); ``target_tokens`` is a zero-copy view when the tokens are already int64.
 """

@@ -1,6 +1,6 @@
 """Optional torch bridge: a `losses` term as a closure for the SDK's ``forward_backward_custom``.
 
-The SDK's custom-loss algorithm (reference/fireworks-sdk.md §3.1) hands the closure torch
+The SDK's custom-loss algorithm (docs/training-api.md#custom-losses) hands the closure torch
 logprob tensors (``requires_grad``), calls ``loss.backward()`` and sends ``weights = -grad``
 through a linear ``cross_entropy`` pass. `torch_loss_fn` computes the term's value and
 ``dL/dlogprobs`` in JAX (`runner.ClientLoss`) and returns the linear surrogate

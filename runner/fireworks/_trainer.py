@@ -1,6 +1,6 @@
 """`FireworksTrainer`: a `runner.Trainer` on the Fireworks training SDK's ``FiretitanTrainingClient``.
 
-Passes (reference/fireworks-sdk.md §3.2): ``forward`` = 1F; ``forward_backward`` = 1F + 1B. A
+Passes (docs/training-api.md#pass-counts): ``forward`` = 1F; ``forward_backward`` = 1F + 1B. A
 builtin-kernel step is one ``forward_backward``; a fused client step (`runner.ClientLoss`) is one
 ``forward`` plus one linear ``cross_entropy`` ``forward_backward`` (1F + 1B when the caller passes
 a forward it already ran at the current weights). ``optim_step`` sends the SDK's explicit
@@ -10,7 +10,7 @@ Sampling hot-loads the current weights into the trainer's deployment (``save_wei
 then ``create_sampling_client``) once per weights version and samples each prompt with a
 deterministic seed per completion (`runner.fireworks._seeds.sample_seed`).
 
-Checkpoints follow reference/sft-translation.md §7: `save_resumable` resolves the new DCP row
+Checkpoints follow docs/sft.md#checkpoints-and-resume: `save_resumable` resolves the new DCP row
 against a control-plane listing taken before the save (under a lock), `load_resumable` resumes on
 the same trainer by name or across jobs through a ``cross_job://`` reference (failing closed on an
 unresolved identity), and `finalize` promotes the final weights and only then deletes the trainer.
@@ -106,7 +106,7 @@ class FireworksTrainer:
       max_seq_len: the trainer's model-input length limit (checked before sending).
       request_timeout_s: wait limit for each SDK future.
       identity_timeout_s / poll_interval_s / settle_s: control-plane polling for a new
-        checkpoint row after a save (sft-translation.md §7.4: 90 s / 3 s / 3 s).
+        checkpoint row after a save (docs/sft.md#checkpoints-and-resume: 90 s / 3 s / 3 s).
       output_model_id: promote the final weights to this model id in `finalize` (None = keep the
         trainer and promote nothing).
       delete_trainer_after_promotion: delete the trainer job after a successful promotion.
@@ -496,7 +496,7 @@ class FireworksTrainer:
         )
 
     def save_resumable(self, name: str) -> dict[str, Any]:
-        """Saves a DCP and resolves its control-plane identity (sft-translation.md §7.4).
+        """Saves a DCP and resolves its control-plane identity (docs/sft.md#checkpoints-and-resume).
 
         Under a lock (two saves cannot race): take the baseline of resumable rows, ``save_state``
         a unique name (``<name>-<8 hex>``), then poll for resumable rows not in the baseline.
@@ -599,7 +599,7 @@ class FireworksTrainer:
             }
 
     def load_resumable(self, identity: Mapping[str, Any], *, with_optimizer: bool = True) -> None:
-        """Restores a `save_resumable` record (sft-translation.md §7.5).
+        """Restores a `save_resumable` record (docs/sft.md#checkpoints-and-resume).
 
         Same trainer job: load by (resolved) name. Another job: only with a resolved
         ``checkpoint_resource``, through the SDK's ``resolve_checkpoint_path(name,

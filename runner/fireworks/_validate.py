@@ -1,7 +1,7 @@
 """Fireworks backend configuration rules (no SDK import at module load).
 
 `validate_static` checks the ``[fireworks]`` section and the parts of the main job that the
-hosted trainer constrains (after reference/sft-translation.md §8); `api_key_from_env` reads the
+hosted trainer constrains (after docs/sft.md#config-validation); `api_key_from_env` reads the
 API key from the environment at connection time; `is_vision_model` is the name rule that makes
 vision-language models fail closed.
 """

@@ -5,7 +5,7 @@ term of each — are the one kernel table, `runner._kernels`; the local trainer 
 it (`SUPPORTED`) as its term with ``reduction="token_sum"``. The trainer builds a padded
 `losses.Batch` with ``action_mask = 1`` on every real target position of every sequence (0 on
 padding), ``advantages`` and ``sampling_logprobs = q`` (or ``weights``), so the term is exactly
-the kernel's raw sum over all target tokens of all sequences (reference/fireworks-sdk.md §4).
+the kernel's raw sum over all target tokens of all sequences (docs/training-api.md#builtin-kernels).
 
 Local specifics on top of the table's validation (`runner._kernels.resolve_config`, shared with
 every backend): ``target_logprob_support`` must be ``full_vocabulary`` (the local trainer computes

@@ -1,7 +1,7 @@
 """`LocalTrainer`: the embedded default `runner.Trainer` (a small JAX transformer + optax AdamW).
 
-Semantics follow the Fireworks training client (reference/fireworks-sdk.md §4-§5,
-reference/sft-translation.md §6): built-in kernels are raw token sums over every target of every
+Semantics follow the Fireworks training client (docs/training-api.md#builtin-kernels (and #the-optimizer-step),
+docs/sft.md#normalisation-and-the-optimizer-step): built-in kernels are raw token sums over every target of every
 sequence; the parameter gradient accumulates (sums) across ``forward_backward`` calls until
 ``optim_step``, which normalizes (optionally), clips the global norm, takes one AdamW step and
 resets the accumulator.

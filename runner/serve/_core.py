@@ -11,7 +11,7 @@ SDKs share:
   the same shape in its ``retrieve_future`` reply (`ServerFuture.fail`).
 - **Bodies.** `read_body` enforces the size limit (also after zstd decompression) and
   `parse_model` validates JSON with the SDK's own pydantic models, dropping (and reporting)
-  fields the model does not know (reference/wire-protocol.md §6.1) before any other rule.
+  fields the model does not know (docs/wire.md#lenient-parsing) before any other rule.
 - **Futures.** `FutureStore` holds every submitted request's result; `retrieve` long-polls for
   at most ``ServeConfig.long_poll_s`` (< 45 s, the SDKs' timeout), then answers ``try_again``.
 - **Ordering.** `OrderedQueue` runs a model's requests strictly in ``seq_id`` order, without
@@ -53,7 +53,7 @@ log = logging.getLogger("runner.serve")
 
 CATEGORIES = ("user", "server")
 PROTO_CONTENT_TYPE = "application/x-protobuf"
-#: The Fireworks SDK's training prefixes (reference/wire-protocol.md §2): every endpoint is
+#: The Fireworks SDK's training prefixes (docs/wire.md#configuration): every endpoint is
 #: also served under them, so a base URL with either prefix reaches the same server.
 DEFAULT_PREFIXES = (
     "/training/v1/serverless",
@@ -163,7 +163,7 @@ def parse_model(cls: type[pydantic.BaseModel], data: Any, *, what: str) -> tuple
     """Validates ``data`` with an SDK pydantic model, leniently for unknown fields.
 
     Fields the (strict, ``extra="forbid"``) model does not declare are dropped and returned
-    (dotted paths), the SDKs' own extras included (reference/wire-protocol.md §6.1); every other
+    (dotted paths), the SDKs' own extras included (docs/wire.md#lenient-parsing); every other
     rule of the model applies.
 
     Returns:
@@ -492,7 +492,7 @@ class Session:
 
 # -- flavours and routing -----------------------------------------------------------------------
 
-#: ``endpoint name → (method, path)``, the paths both SDKs share (reference §3, §7). A flavour
+#: ``endpoint name → (method, path)``, the paths both SDKs share (docs/wire.md#endpoints-and-encodings). A flavour
 #: may serve extra endpoints of its own (`Flavour.extra_routes`).
 ENDPOINTS: dict[str, tuple[str, str]] = {
     "healthz": ("GET", "/api/v1/healthz"),
@@ -572,7 +572,7 @@ class ServeConfig:
       max_body_bytes: the request body limit (after decompression).
       long_poll_s: how long ``retrieve_future`` waits before ``try_again`` (< 45 s).
       prefixes: path prefixes every endpoint is also served under.
-      client_config: the ``/client/config`` flags sent to the tinker SDK (reference §1.2).
+      client_config: the ``/client/config`` flags sent to the tinker SDK (docs/wire.md#client-architecture).
       sample_quiet_s / sample_incomplete_quiet_s / sample_max_wait_s: the sampling batcher's
         coalescing windows (`runner.serve._engine.SampleBatcher`).
       workers: threads for blocking work (training jobs, sampling, loads).

@@ -58,7 +58,7 @@ from runner.serve._core import ServeError, over_limit, user_error
 log = logging.getLogger("runner.serve")
 
 #: Model ids the server hands out: ``<session_id>:train:<model_seq_id>`` (the id the tinker
-#: SDK derives itself on create-via-load, reference §1.6).
+#: SDK derives itself on create-via-load, docs/wire.md#client-architecture).
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}:train:\d{1,9}$")
 CHECKPOINT_KINDS = ("state", "sampler")
 

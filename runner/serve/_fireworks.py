@@ -4,7 +4,7 @@ The SDK's training client (its vendored Tinker 0.23 runtime, User-Agent ``AsyncT
 0.23.0``) speaks JSON: ``forward`` and ``forward_backward`` bodies carry ``TensorData`` datums;
 ``optim_step`` adds the top-level ``grad_accumulation_normalization`` and
 ``save_weights_for_sampler`` the top-level ``checkpoint_type`` (plus ``export_precision`` and
-``metadata``), which its own request models lack (reference/wire-protocol.md §3.2, §6.1). Bodies
+``metadata``), which its own request models lack (docs/wire.md#endpoints-and-encodings (and #lenient-parsing)). Bodies
 are validated with the SDK's own pydantic models (``fireworks.training.sdk.types``) after those
 extras are removed (`runner.serve._core.parse_model`); results are JSON, and protobuf for
 ``forward``/``forward_backward`` when the client accepts it.

@@ -7,7 +7,7 @@ whose deployment shape is local), trainer jobs (``rlorTrainerJobs``: create, get
 (create, get, patch, delete; ``/hot_load/v1/models/hot_load`` loads a sampler snapshot of the
 deployment's trainer job, synchronously, so the SDK's first status poll sees it ready), and
 checkpoint promotion (``:promote``, answered synchronously with the model). Shapes follow
-reference/wire-protocol.md §3.5; errors are ``{"error", "category"}`` with a 4xx status (the
+docs/wire.md#endpoints-and-encodings; errors are ``{"error", "category"}`` with a 4xx status (the
 SDK's ``parse_api_error`` reads the message).
 
 **Checkpoint namespaces** (`Namespace`): a trainer job's checkpoints (every model trained on the

@@ -4,7 +4,7 @@ The SDK's deployment sampler (``fireworks.training.sdk.sampling.DeploymentSample
 ``n=1`` request per sample, token prompts, ``stream: true``, ``raw_output: true``,
 ``logprobs: true``, and reads ``raw_output.completion_token_ids`` and one
 ``logprobs.content[].sampling_logprob`` per generated token from server-sent events ending with
-``data: [DONE]`` (reference/wire-protocol.md §3.4). A non-streamed request gets the same choices
+``data: [DONE]`` (docs/wire.md#endpoints-and-encodings). A non-streamed request gets the same choices
 as one JSON object.
 
 **Seeds.** A request's ``seed`` names a random stream of the local trainer

@@ -4,7 +4,7 @@ Request bodies are validated with the tinker SDK's own request models (`parse_mo
 for unknown fields) and ``forward_backward`` bodies with its protobuf schema
 (``tinker.proto.tinker_public_pb2``); results of ``forward_backward`` and ``asample`` are
 protobuf (``ForwardBackwardOutput``, ``SampleResponse``), everything else JSON
-(reference/wire-protocol.md §1-§3.3, §5).
+(docs/wire.md#client-architecture (and #endpoints-and-encodings, #metrics-and-errors)).
 
 Checkpoints are ``tinker://<model_id>/weights/<name>`` (resumable state) and
 ``tinker://<model_id>/sampler_weights/<name>`` (sampler weights); the model id is

@@ -1,6 +1,6 @@
 """The task protocol: what a user implements to train the runner on their environment.
 
-Synchronous and token-level (reference/tasks-and-data.md §6). A `Task` poses problems and makes
+Synchronous and token-level (docs/tasks.md#the-task-protocol). A `Task` poses problems and makes
 one single-use `Env` per episode; the runner samples ``[rl].group_size`` episodes per problem:
 
 1. ``env.initial_observation()`` — the prompt tokens (never a loss target);

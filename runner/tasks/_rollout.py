@@ -4,7 +4,7 @@
 object with the `runner.Sampling` ``sample`` method) and checks everything an environment returns
 (token ids inside the vocabulary, finite rewards and metrics, target flags matching the
 observation) with errors naming the task, the problem and the turn. `episode_to_seq` builds the
-target-aligned ``action_mask`` / ``obs_mask`` / ``sampling_logprobs`` (DESIGN.md §3): actions are
+target-aligned ``action_mask`` / ``obs_mask`` / ``sampling_logprobs`` (docs/conventions.md#data-conventions): actions are
 the sampled turns (stop tokens included), observations the environment's tokens flagged by
 ``observation_targets``; the prompt is in neither.
 """

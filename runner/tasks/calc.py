@@ -5,7 +5,7 @@
 emulated tool latency, `runner.tasks._latency`). Problems, prompts, observations, rewards and
 the scripted expert are `runner.env.calc`'s, unchanged: through `runner.tasks.rollout` the main
 job samples, rewards and trains exactly as the calculator's own rollout loop did (the tests
-compare both). Observation targets are the bodies of the ``= <body>\\n`` messages (echo.md §6).
+compare both). Observation targets are the bodies of the ``= <body>\\n`` messages (docs/echo.md#observation-masks).
 Demonstrations are the expert's episodes as chat records (user: the question; assistant: each
 action; tool: each observation), which the character tokenizer renders back to the expert's tokens
 with the loss on the actions.

@@ -3,7 +3,7 @@
 A `runner.Seq` (full tokens ``x[0..N-1]`` plus target-aligned per-token inputs of length
 ``N-1``) becomes ``Datum(model_input=ModelInput.from_ints(x[:-1]), loss_fn_inputs={
 "target_tokens": int64 x[1:], <field>: float32[N-1], ...})`` — the layout of
-reference/fireworks-sdk.md §2.4, which the tinker SDK shares. Only float32 and int64 numpy
+docs/training-api.md#datum-layout, which the tinker SDK shares. Only float32 and int64 numpy
 arrays reach the SDK (``TensorData.from_numpy`` keeps a writeable array without copying).
 """
 

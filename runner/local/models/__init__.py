@@ -1,7 +1,7 @@
 """`runner.local.models`: Llama / Qwen2 / Qwen3 decoders in JAX, Hugging Face checkpoints
 (offline), LoRA in the PEFT layout and memory-bounded per-token logprobs.
 
-reference/hf-models.md is the specification (architectures as equations, config keys, tensor
+docs/hf-models.md is the specification (architectures as equations, config keys, tensor
 names, RoPE variants, LoRA/PEFT, chunked logprobs, parity pitfalls).
 
 Example:

@@ -2,7 +2,7 @@
 
 `DecoderConfig` is frozen and hashable (a static argument of the jitted model functions). It
 is read from and written to a Hugging Face ``config.json`` by `from_hf_config` / `to_hf_config`
-(reference/hf-models.md §2.1): both layouts are accepted — transformers 5's ``rope_parameters``
+(docs/hf-models.md#configjson): both layouts are accepted — transformers 5's ``rope_parameters``
 and the legacy top-level ``rope_theta`` + ``rope_scaling`` — and every key is either used,
 checked to hold the one value implemented, or known to be metadata; anything else fails with a
 ``ValueError`` naming the file and the key (fail closed: an unknown key may change numerics).
@@ -20,7 +20,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "
 #: RoPE variants implemented (`runner.local.models._rope`).
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 #: transformers' class defaults that matter when a key is missing (``LlamaConfig``,
-#: ``Qwen2Config``, ``Qwen3Config`` in 5.24; reference §2.1 and §0 #9).
+#: ``Qwen2Config``, ``Qwen3Config`` in 5.24; docs/hf-models.md#configjson).
 _CLASS_DEFAULTS = {
     "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False),
     "qwen2": dict(
@@ -70,7 +70,7 @@ _METADATA_KEYS = frozenset(
         "torchscript",
         "tf_legacy_loss",
         "use_bfloat16",
-        "pretraining_tp",  # in LlamaConfig, unused by transformers 5's modeling (reference §1.7)
+        "pretraining_tp",  # in LlamaConfig, unused by transformers 5's modeling (docs/hf-models.md#architecture)
         "is_llama_config",  # SmolLM2 extra, ignored by transformers
         "model_type",
         "max_window_layers",  # only meaningful with use_sliding_window (checked)
@@ -107,7 +107,7 @@ def _is_number(v: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary position embedding (reference §1.5; ``modeling_rope_utils.py``).
+    """Rotary position embedding (docs/hf-models.md#architecture; ``modeling_rope_utils.py``).
 
     Attributes:
       rope_type: ``default`` | ``linear`` | ``dynamic`` | ``llama3`` | ``yarn``.
@@ -174,7 +174,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """A Llama-family / Qwen2 / Qwen3 dense decoder (reference §1; frozen, hashable).
+    """A Llama-family / Qwen2 / Qwen3 dense decoder (docs/hf-models.md#architecture; frozen, hashable).
 
     Attributes:
       family: ``llama`` | ``qwen2`` | ``qwen3`` (the ``model_type``).
@@ -263,7 +263,7 @@ class DecoderConfig:
         if self.family != "llama" and self.mlp_bias:
             raise ValueError(f"DecoderConfig.mlp_bias: {self.family} has no MLP biases")
 
-    # -- derived flags (reference §1.7) ----------------------------------------------------
+    # -- derived flags (docs/hf-models.md#architecture) ----------------------------------------------------
 
     @property
     def qkv_bias(self) -> bool:

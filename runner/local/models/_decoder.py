@@ -1,4 +1,4 @@
-"""Llama / Qwen2 / Qwen3 dense decoders in plain JAX (reference/hf-models.md §1).
+"""Llama / Qwen2 / Qwen3 dense decoders in plain JAX (docs/hf-models.md#architecture).
 
 Forward (``LlamaModel.forward``; Qwen2/Qwen3 are the same with their flags):
 
@@ -9,12 +9,12 @@ Forward (``LlamaModel.forward``; Qwen2/Qwen3 are the same with their flags):
     logits = RMSNorm_final(h) W_lmᵀ   (W_lm = E when tied)
 
 - ``RMSNorm(x) = w · (x32 · rsqrt(mean(x32²) + ε)).astype(x.dtype)`` (statistics in float32,
-  the weight multiplied in the input dtype; reference §0 #4).
+  the weight multiplied in the input dtype; docs/hf-models.md#parity).
 - Attention: ``softmax(q kᵀ · d^-0.5 + causal)`` in float32, cast back before ``· v`` (§0 #5);
   grouped-query: query head ``h`` reads key/value head ``h // (n_h/n_kv)`` (a reshape of the
   query heads to ``[n_kv, n_h/n_kv]``, never a tile; §0 #3). Qwen3 normalizes q and k over
   ``head_dim`` before RoPE (§0 #7); Qwen2 has q/k/v biases.
-- Optional LoRA on any projection: ``y = x Wᵀ + s · (x Aᵀ) Bᵀ`` (reference §5.1).
+- Optional LoRA on any projection: ``y = x Wᵀ + s · (x Aᵀ) Bᵀ`` (docs/hf-models.md#lora-and-peft-files).
 
 Parameters are a dict pytree with weights in the torch ``[out, in]`` orientation (so loading
 and saving Hugging Face tensors never transposes) and the layers stacked on a leading ``L`` axis

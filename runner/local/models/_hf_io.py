@@ -1,7 +1,7 @@
 """Hugging Face checkpoint directories, offline: ``config.json`` + safetensors (single or sharded).
 
 Reading (`load_pretrained`): ``config.json`` (`from_hf_config`), then ``model.safetensors`` or
-``model.safetensors.index.json`` with its shards (reference §2.3). Every tensor the
+``model.safetensors.index.json`` with its shards (docs/hf-models.md#tensors-and-files). Every tensor the
 architecture needs must be present with its exact shape; any other tensor is an error, except
 the non-persistent rotary buffers older exports carry (``…rotary_emb.inv_freq``) and an
 ``lm_head.weight`` equal to the embedding of a tied model. Errors name the file and the tensor.

@@ -6,7 +6,7 @@ For final hidden states ``h[N, H]``, an unembedding ``W[V, H]`` and targets ``y[
 
 `token_logprobs` with ``chunk = 0`` materializes ``z[N, V]`` (and autodiff keeps it, plus its
 softmax, for the backward: about 3·N·V floats). With ``chunk = C > 0`` it is a `jax.custom_vjp`
-(reference/hf-models.md §6.2; the Liger / cut-cross-entropy idea, per token rather than summed):
+(docs/hf-models.md#memory-efficient-logprobs; the Liger / cut-cross-entropy idea, per token rather than summed):
 
 - forward: `jax.lax.map` over ``⌈N/C⌉`` chunks of ``C`` tokens; each computes ``z[C, V]``, its
   ``lse`` and the target logit, and keeps only ``lse[N]`` (plus the inputs) as residuals;

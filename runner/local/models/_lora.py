@@ -1,4 +1,4 @@
-"""LoRA adapters for the decoders, and their PEFT files (reference/hf-models.md §5).
+"""LoRA adapters for the decoders, and their PEFT files (docs/hf-models.md#lora-and-peft-files).
 
 For a targeted projection ``W[out, in]``: ``y = x Wᵀ + s · (x Aᵀ) Bᵀ`` with ``A[r, in]``,
 ``B[out, r]`` and ``s = alpha / r`` (``alpha / √r`` with rsLoRA; Hu et al. 2021,

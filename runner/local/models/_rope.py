@@ -1,4 +1,4 @@
-"""Rotary position embeddings in the rotate-half convention of `transformers` (reference §1.5).
+"""Rotary position embeddings in the rotate-half convention of `transformers` (docs/hf-models.md#architecture).
 
 ``inv_freq[j] = 1 / θ^(2j/d)`` (j < d/2), rescaled per ``rope_type`` exactly as
 ``transformers.modeling_rope_utils`` does (in float32, the same operation order):
@@ -16,7 +16,7 @@
 
 Application: ``x' = x·cos + rotate_half(x)·sin`` with ``rotate_half(x) = concat(-x[d/2:],
 x[:d/2])`` and ``cos = cos(concat(p·inv_freq, p·inv_freq))``, computed in float32 (float64 for a
-float64 model) and cast to the activation dtype before use (reference §0 #1, #6).
+float64 model) and cast to the activation dtype before use (docs/hf-models.md#parity).
 """
 
 from __future__ import annotations
