@@ -90,12 +90,13 @@ assert len(vocab) == tok.vocab_size
     "bos_token": tok.bos_token, "pad_token": chars.SPECIALS[tok.pad_id]}))
 PY
 
-# 3. The engine on loopback (its default host is 0.0.0.0).
-(cd "$root" && PATH="$root/bin:$PATH" JAX_PLATFORMS=cpu exec uv run --extra tinker --extra jax \
-    -m skyrl.tinker.api --host 127.0.0.1 --port "$port" --base-model "$root/model" \
+# 3. The engine on loopback (its default host is 0.0.0.0), in its own process group (the API
+#    process and the engine it relaunches are stopped together at exit).
+(cd "$root" && PATH="$root/bin:$PATH" JAX_PLATFORMS=cpu exec setsid uv run --extra tinker \
+    --extra jax -m skyrl.tinker.api --host 127.0.0.1 --port "$port" --base-model "$root/model" \
     --backend jax > "$root/server.log" 2>&1) &
 server=$!
-trap 'kill "$server" 2>/dev/null || true' EXIT
+trap 'kill -- "-$server" 2>/dev/null || true' EXIT
 for _ in $(seq 120); do
     curl -sf "http://127.0.0.1:$port/api/v1/healthz" > /dev/null && break
     sleep 1
