@@ -683,9 +683,11 @@ def connect(tcfg: Any, api_key: str, *, seed: int) -> tuple[Any, Any, Any]:
     )
     try:
         # The SDK creates its session inside this call, synchronously and with no timeout of
-        # its own (a listener that never answers would hold it forever): bounded here.
+        # its own (a listener that never answers would hold it forever): bounded here. SDK 0.38
+        # returns a future of the client; SDK 0.25 blocks and returns the client (`_submit`).
         future = wait(
             in_daemon_thread(
+                _submit,
                 service.create_lora_training_client,
                 tcfg.base_model,
                 rank=int(tcfg.lora_rank),
@@ -694,15 +696,6 @@ def connect(tcfg: Any, api_key: str, *, seed: int) -> tuple[Any, Any, Any]:
             )
         )
         client = wait(future)
-        rest = tinker.RestClient(base_url=tcfg.base_url, api_key=api_key)
-        future = _submit(
-            service.create_lora_training_client,
-            tcfg.base_model,
-            rank=int(tcfg.lora_rank),
-            seed=int(seed),
-            train_unembed=bool(tcfg.train_unembed),
-        )
-        client = future.result(timeout=tcfg.request_timeout_s)
         if hasattr(tinker, "RestClient"):
             rest = tinker.RestClient(base_url=tcfg.base_url, api_key=api_key)
         else:  # SDK 0.25: the service's own (deprecated in 0.38)
