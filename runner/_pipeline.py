@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any
@@ -42,6 +43,11 @@ from runner.tasks._rollout import Episode, set_group_rewards
 
 #: ``[rl].rollout`` values.
 ROLLOUTS = ("lockstep", "concurrent")
+#: `RolloutService.close` waits this long for the event loop's thread (the sample call in
+#: flight, which cannot be interrupted, is the usual wait).
+CLOSE_TIMEOUT_S = 120.0
+
+log = logging.getLogger("runner.rollouts")
 
 
 def validate_async(cfg: Any) -> None:
@@ -193,11 +199,12 @@ class RolloutService:
         self._ready.set()
         await self._stop.wait()
         admitting.cancel()
-        for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
-            task.cancel()
-        await asyncio.gather(
-            *asyncio.all_tasks() - {asyncio.current_task()}, return_exceptions=True
-        )
+        # Cancelled until done: a task can outlive one cancel (a library that catches it, or
+        # ``asyncio.wait_for`` on Python 3.11, which loses a cancel racing its inner future).
+        while pending := asyncio.all_tasks() - {asyncio.current_task()}:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=0.5)
         await self.batcher.close()
 
     def step_problems(self, index: int) -> tuple[list[Any], int]:
@@ -373,6 +380,14 @@ class RolloutService:
         """Stops the loop (in-flight episodes are abandoned) and the worker threads."""
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join()
+            self._thread.join(CLOSE_TIMEOUT_S)
+            if self._thread.is_alive():  # a sampler call that does not return: left behind
+                log.warning(
+                    "the rollout service did not stop within %g s (a sample call still "
+                    "running); its daemon thread is left behind",
+                    CLOSE_TIMEOUT_S,
+                )
+                self.envs.close()
+                return
         self.loop.close()
         self.envs.close()

@@ -276,7 +276,8 @@ class ServerFuture:
 
     async def wait(self, timeout: float) -> bool:
         try:
-            await asyncio.wait_for(self._event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._event.wait()
         except TimeoutError:
             return False
         return True

@@ -132,6 +132,21 @@ def takes_row_offsets(sampler: Any) -> bool:
         return False
 
 
+async def bounded(awaitable: Any, timeout_s: float | None) -> Any:
+    """``await awaitable`` within ``timeout_s`` seconds (``None`` or 0: unbounded; ``TimeoutError``
+    past it).
+
+    ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 ``wait_for`` loses a
+    cancellation that arrives as its inner future completes (the task goes on as if never
+    cancelled), which left a stopped rollout service waiting forever on an episode that had
+    swallowed its cancel.
+    """
+    if not timeout_s:
+        return await awaitable
+    async with asyncio.timeout(timeout_s):
+        return await awaitable
+
+
 class EnvCalls:
     """Runs environment methods: coroutines on the loop, synchronous ones in a thread pool.
 
@@ -150,9 +165,9 @@ class EnvCalls:
             pending: Any = fn(*args)
         else:
             pending = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-        value = await (asyncio.wait_for(pending, self.timeout_s) if self.timeout_s else pending)
+        value = await bounded(pending, self.timeout_s)
         if inspect.isawaitable(value):  # a synchronous method that returned a coroutine
-            value = await (asyncio.wait_for(value, self.timeout_s) if self.timeout_s else value)
+            value = await bounded(value, self.timeout_s)
         return value
 
     def close(self) -> None:
@@ -220,7 +235,8 @@ class SampleBatcher:
             deadline = loop.time() + self.batch_s
             while len(self.pending) < self.expected() and loop.time() < deadline:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), deadline - loop.time())
+                    async with asyncio.timeout_at(deadline):
+                        await self._wake.wait()
                 except TimeoutError:
                     break
                 self._wake.clear()
