@@ -39,7 +39,7 @@ from runner.tasks._async import (
     run_episode,
 )
 from runner.tasks._load import LoadedTask
-from runner.tasks._rollout import Episode, set_group_rewards
+from runner.tasks._rollout import Episode, set_group_rewards, task_error
 
 #: ``[rl].rollout`` values.
 ROLLOUTS = ("lockstep", "concurrent")
@@ -265,7 +265,10 @@ class RolloutService:
                     kept.append(r)
             outcome = "kept" if len(kept) >= self.min_group else "rejected"
             if outcome == "kept" and self.task.has_group_rewards:
-                values = await self.envs.call(self.task.task.group_rewards, problems[i], kept)
+                try:
+                    values = await self.envs.call(self.task.task.group_rewards, problems[i], kept)
+                except Exception as exc:
+                    raise task_error(kept[0].where, "group_rewards", exc) from exc
                 set_group_rewards(kept, values)
             round_ = self._rounds.pop(ticket.order, 0)
             if outcome == "kept" and self.drop_uniform and round_ < self.fill_rounds:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -42,12 +45,16 @@ class ProbeEnv:
         self.problem, self.turn, self.bad = problem, 0, bad
 
     def initial_observation(self):
+        if self.bad == "initial_raises":
+            raise RuntimeError("no prompt today")
         if self.bad == "vocab":
             return [tok.BOS_ID, 999]
         return tok.encode(f"n={self.problem}\n", add_bos=True)
 
     def step(self, action):
         self.turn += 1
+        if self.bad == "step_raises":
+            return {}["missing"]
         if self.bad == "reward":
             return StepResult(reward=math.nan, done=True)
         if self.bad == "targets":
@@ -81,6 +88,8 @@ class ProbeTask:
         return [int(x) for x in rng.integers(0, 10, size=n)]
 
     def make_env(self, problem):
+        if self.bad == "make_env":
+            raise ValueError(f"no environment for {problem}")
         return ProbeEnv(problem, self.bad)
 
     def demonstrations(self, rng, n):
@@ -198,6 +207,45 @@ def test_what_an_env_returns_is_checked_naming_task_problem_and_turn(bad, messag
     task = check_task("probe", ProbeTask(bad), tok.VOCAB_SIZE)
     with pytest.raises(ValueError, match=message):
         rollout(FakeSampler(lambda ctx, rng: "go\n"), task, [3], group_size=2)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("make_env", r"problem 0 \(3\): make_env raised ValueError: no environment for 3 \(at "),
+        (
+            "initial_raises",
+            r"problem 0 \(3\), turn 0: initial_observation raised RuntimeError: no prompt today",
+        ),
+        ("step_raises", r"problem 0 \(3\), turn 0: env.step raised KeyError: 'missing' \(at "),
+    ],
+)
+def test_what_a_task_raises_is_one_error_naming_task_problem_turn_and_line(bad, message):
+    """An exception of the task's own code (not the protocol checks above) is a `RolloutError`
+    naming the task, the problem, the turn, the method and the file:line that raised it."""
+    from runner.tasks._rollout import RolloutError
+
+    task = check_task("probe", ProbeTask(bad), tok.VOCAB_SIZE)
+    with pytest.raises(RolloutError, match="^task probe: " + message) as info:
+        rollout(FakeSampler(lambda ctx, rng: "go\n"), task, [3], group_size=2)
+    assert "\n" not in str(info.value) and f"{Path(__file__).name}:" in str(info.value)
+    assert info.value.__cause__ is not None  # the task's traceback stays on the chain
+
+
+def test_a_task_whose_make_env_raises_ends_the_cli_run_in_one_error_line(tmp_path):
+    """The real CLI: exit 2, one ``error:`` line naming the task, the problem and the line, no
+    traceback."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    args = [f'task.factory="{HERE}:make_probe_task"', 'task.kwargs={bad="make_env"}']
+    cmd = [sys.executable, "-m", "runner", "train", "--config", str(TINY), "--no-progress"]
+    cmd += ["--output-dir", str(tmp_path), *(a for s in args for a in ("--set", s))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: task "), lines
+    assert "make_env raised ValueError: no environment for" in lines[0]
+    assert "test_tasks.py:" in lines[0]
 
 
 def test_a_prompt_that_overflows_max_seq_len_is_an_error():

@@ -35,16 +35,19 @@ from typing import Any
 import numpy as np
 
 from runner.tasks._protocol import RecoverableError
-from runner.tasks._rollout import STOP_CONTEXT, Episode, _cut_at_stop
+from runner.tasks._rollout import (
+    STOP_CONTEXT,
+    Episode,
+    RolloutError,
+    _cut_at_stop,
+    describe,
+    task_error,
+)
 
 #: Streams per step: the index of `stream_key` stays below this (local sampler's bound).
 MAX_STREAM_INDEX = 2**31
 #: HTTP statuses of a sampler that are worth another try (timeout, rate limit, server errors).
 RECOVERABLE_STATUS = (408, 429)
-
-
-class RolloutError(ValueError):
-    """A rollout failed for good (one line: the task, the problem, the turn, what happened)."""
 
 
 class EpisodeFailed(Exception):
@@ -53,13 +56,6 @@ class EpisodeFailed(Exception):
     def __init__(self, where: str, cause: BaseException):
         super().__init__(f"{where}: {describe(cause)}")
         self.cause = cause
-
-
-def describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timed out ([rl].env_timeout_s)"
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def is_recoverable(exc: BaseException) -> bool:
@@ -380,7 +376,7 @@ async def _env_call(envs: EnvCalls, episode: Episode, turn: int, what: str, args
         where = f"{episode.where}, turn {turn}"
         if is_recoverable(exc):
             raise EpisodeFailed(where, exc) from exc
-        raise RolloutError(f"{where}: {what} raised {describe(exc)}") from exc
+        raise task_error(where, what, exc) from exc
 
 
 async def _rollout(
@@ -433,7 +429,11 @@ async def _rollout(
         )
         if task.has_group_rewards:
             for g in groups:
-                set_group_rewards(g, await envs.call(task.task.group_rewards, g[0].problem, g))
+                try:
+                    values = await envs.call(task.task.group_rewards, g[0].problem, g)
+                except Exception as exc:
+                    raise task_error(g[0].where, "group_rewards", exc) from exc
+                set_group_rewards(g, values)
         return groups
     finally:
         await batcher.close()

@@ -46,6 +46,45 @@ class Segment:
     targets: np.ndarray
 
 
+class RolloutError(ValueError):
+    """A rollout failed for good (one line: the task, the problem, the turn, what happened)."""
+
+
+def describe(exc: BaseException) -> str:
+    """``"<type>: <first line>"`` of an exception (a timeout: the setting that bounds it)."""
+    if isinstance(exc, TimeoutError):
+        return "timed out ([rl].env_timeout_s)"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def raised_at(exc: BaseException) -> str:
+    """``"file.py:line"`` of the innermost frame of ``exc``'s traceback ("" without one): where in
+    the task's own code it was raised."""
+    tb = exc.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f"{code.co_filename}:{tb.tb_lineno}"
+
+
+def task_error(where: str, what: str, exc: BaseException) -> RolloutError:
+    """The one line for an exception that the task's own code raised: the task, the problem (and
+    turn) in ``where``, the method, the exception, and where it was raised."""
+    at = raised_at(exc)
+    return RolloutError(f"{where}: {what} raised {describe(exc)}" + (f" (at {at})" if at else ""))
+
+
+def call_task(where: str, what: str, fn: Any, *args: Any) -> Any:
+    """``resolve(fn(*args))``; an exception of the task's code becomes `task_error`."""
+    try:
+        return resolve(fn(*args))
+    except Exception as exc:
+        raise task_error(where, what, exc) from exc
+
+
 def _short(problem: Any) -> str:
     text = repr(problem)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -114,14 +153,18 @@ class Episode:
         self.task, self.problem, self.index = task, problem, index
         self.max_seq_len = max_seq_len
         self.where = f"task {task.name}: problem {index} ({_short(problem)})"
-        self.env = task.task.make_env(problem)
+        self.env = call_task(self.where, "make_env", task.task.make_env, problem)
         self.segments: list[Segment] = []
         self.done, self.reward, self.stop = False, 0.0, ""
         self.metrics: dict[str, float] = {}
         self.num_turns = 0
         self.versions: list[int] = []  # the policy version of each action (concurrent rollouts)
         if start:
-            self.begin(resolve(self.env.initial_observation()))
+            self.begin(
+                call_task(
+                    f"{self.where}, turn 0", "initial_observation", self.env.initial_observation
+                )
+            )
 
     def begin(self, observation: Any) -> None:
         """Checks the environment's ``initial_observation()`` and makes it the prompt."""
@@ -146,7 +189,9 @@ class Episode:
     def add_action(self, tokens: np.ndarray, logprobs: np.ndarray) -> None:
         """Appends one policy turn, steps the environment, and appends its observation unless the
         episode ends (done, or ``max_turns``)."""
-        self.record(tokens, logprobs, resolve(self.env.step([int(t) for t in tokens])))
+        where = f"{self.where}, turn {self.num_turns}"
+        result = call_task(where, "env.step", self.env.step, [int(t) for t in tokens])
+        self.record(tokens, logprobs, result)
 
     def record(self, tokens: np.ndarray, logprobs: np.ndarray, result: Any) -> None:
         """Checks what ``env.step`` answered to the action ``tokens`` and appends both."""
@@ -309,7 +354,13 @@ def apply_group_rewards(task: LoadedTask, episodes: Sequence[Episode]) -> None:
     """Replaces the episodes' rewards by the task's ``group_rewards(problem, episodes)`` when it
     has that hook (`set_group_rewards`); else leaves them as they are."""
     if task.has_group_rewards and episodes:
-        values = resolve(task.task.group_rewards(episodes[0].problem, list(episodes)))
+        values = call_task(
+            episodes[0].where,
+            "group_rewards",
+            task.task.group_rewards,
+            episodes[0].problem,
+            list(episodes),
+        )
         set_group_rewards(episodes, values)
 
 
