@@ -15,6 +15,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 ALGORITHM = "sha256"
 _PREFIX = f"{ALGORITHM}:"
@@ -97,3 +100,24 @@ def verify_tree(
         for p in sorted(top.rglob("*")) if top.is_dir() else []:
             if p.is_file() and p.resolve() not in recorded:
                 raise IntegrityError(f"{what}: file {p} was not part of it when it was written")
+
+
+def check_finite(arr: Any, where: str) -> None:
+    """Raises `IntegrityError` naming ``where`` (file and tensor) when a floating tensor read
+    from disk holds a NaN or an infinity: weights are checked at load, not found by the first
+    forward that produces NaN."""
+    a = np.asarray(arr)
+    if not np.issubdtype(a.dtype, np.floating) and a.dtype.kind != "V":
+        return
+    if a.dtype.kind == "V" or a.dtype.itemsize < 4:  # bfloat16 / float16: count in float32
+        try:
+            a = a.astype(np.float32)
+        except (TypeError, ValueError):  # a structured dtype: not weights
+            return
+    bad = a.size - int(np.count_nonzero(np.isfinite(a)))
+    if bad:
+        first = np.unravel_index(int(np.argmin(np.isfinite(a))), a.shape) if a.ndim else ()
+        raise IntegrityError(
+            f"{where}: {bad} of {a.size} values are NaN or infinite (the first at index "
+            f"{list(map(int, first))}); refusing to load non-finite weights"
+        )

@@ -51,6 +51,7 @@ __all__ = [
     "load_resumable",
     "read_manifest",
     "save_promotable",
+    "verify_promotable",
     "save_resumable",
     "step_dir",
     "verify_files",
@@ -125,6 +126,24 @@ def _local_files(ref: str, run_dir: Path | None) -> dict[str, str] | None:
     return tree_digests(path, run_dir) if path.exists() else None
 
 
+def _check_files(run_dir: Path, identity: dict[str, Any], key: str, what: str) -> None:
+    """`verify_files` raising `IntegrityError` (the caller words the refusal)."""
+    ref = identity.get(key)
+    if not ref or Path(str(ref)).is_absolute() or "://" in str(ref):
+        return
+    digests = identity.get("sha256")
+    if not isinstance(digests, dict) or not digests:
+        raise IntegrityError(f"no file digests recorded for {ref}; cannot verify it")
+    prefix = Path(str(ref)).as_posix().rstrip("/")
+    outside = [k for k in digests if k != prefix and not str(k).startswith(prefix + "/")]
+    if outside:
+        raise IntegrityError(
+            f"the digests recorded for {ref} name a file outside it ({outside[0]}): the "
+            "manifest was edited"
+        )
+    verify_tree(run_dir, digests, what=what)
+
+
 def verify_files(run_dir: Path, identity: dict[str, Any], key: str, what: str) -> None:
     """Verifies the files of ``identity[key]`` (a relative local reference) against the digests
     recorded beside it, before any byte is used.
@@ -133,25 +152,34 @@ def verify_files(run_dir: Path, identity: dict[str, Any], key: str, what: str) -
       CheckpointError: no digests recorded for a local reference, or a file is missing or
         modified (naming it).
     """
-    ref = identity.get(key)
-    if not ref or Path(str(ref)).is_absolute() or "://" in str(ref):
-        return
-    digests = identity.get("sha256")
     try:
-        if not isinstance(digests, dict) or not digests:
-            raise IntegrityError(f"no file digests recorded for {ref}; cannot verify it")
-        prefix = Path(str(ref)).as_posix().rstrip("/")
-        outside = [k for k in digests if k != prefix and not str(k).startswith(prefix + "/")]
-        if outside:
-            raise IntegrityError(
-                f"the digests recorded for {ref} name a file outside it ({outside[0]}): the "
-                "manifest was edited"
-            )
-        verify_tree(run_dir, digests, what=what)
+        _check_files(run_dir, identity, key, what)
     except IntegrityError as exc:
         raise CheckpointError(
             f"{exc}; refusing to load it (restore the run directory from a backup, or start a "
             "new run)"
+        ) from None
+
+
+def verify_promotable(run_dir: Path, manifest: dict[str, Any]) -> None:
+    """Verifies the promotable weights a manifest records (local files only) against their
+    digests: a resume from a checkpoint whose deliverable weights were damaged fails closed
+    naming the file, instead of carrying an unusable snapshot forward in silence.
+
+    Raises:
+      CheckpointError: a promotable file is missing or modified (naming it).
+    """
+    promotable = manifest.get("promotable")
+    if not isinstance(promotable, dict) or "sha256" not in promotable:
+        return
+    ref = promotable.get("snapshot_path")
+    try:
+        _check_files(run_dir, promotable, "snapshot_path", f"promotable weights {ref}")
+    except IntegrityError as exc:
+        raise CheckpointError(
+            f"--resume: checkpoint step {manifest.get('step')}: {exc}; refusing to resume from "
+            "a checkpoint whose promotable weights are damaged (restore the run directory from "
+            "a backup, or start a new run)"
         ) from None
 
 

@@ -376,6 +376,7 @@ def run(
                 f"{manifest.get('saved_as')!r}, not this run's {expected!r}: "
                 "refusing to load state saved at another step or by another run"
             )
+        ckpt.verify_promotable(run_dir, manifest)
         start = latest + 1
     elif not restart and ((ckpt_root / "latest").exists() or (run_dir / "metrics.jsonl").exists()):
         has = (ckpt_root / "latest").exists()

@@ -206,6 +206,13 @@ def _extra(name, value):
     return t
 
 
+def _poisoned(name, value, dtype=np.float32):
+    t = hf_tensors(dtype=dtype)
+    flat = t[name].reshape(-1)
+    flat[7 if t[name].ndim == 1 else 5 * t[name].shape[1] + 7] = value
+    return t
+
+
 CONFIG_ERRORS = [
     (base_config(model_type=None), "no 'model_type' key"),
     (base_config(model_type="mistral"), "'model_type' = 'mistral' is not a supported"),
@@ -276,6 +283,17 @@ TENSOR_ERRORS = [
         "'lm_head.weight' differs from 'model.embed_tokens.weight'",
     ),
     (lambda: _extra("model.norm.weight", np.ones((H,), np.int32)), ValueError, "dtype I32"),
+    (
+        lambda: _poisoned("model.layers.1.mlp.up_proj.weight", np.nan),
+        IntegrityError,
+        r"tensor 'model.layers.1.mlp.up_proj.weight': 1 of 384 values are NaN or infinite "
+        r"\(the first at index \[5, 7\]\); refusing to load non-finite weights",
+    ),
+    (
+        lambda: _poisoned("model.norm.weight", -np.inf, dtype=np.float16),
+        IntegrityError,
+        r"tensor 'model.norm.weight': 1 of 16 values are NaN or infinite",
+    ),
 ]
 
 

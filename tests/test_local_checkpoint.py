@@ -203,3 +203,21 @@ def test_checkpoint_errors(make, tmp_path):
         json.dump(data, f)
     with pytest.raises(ValueError, match="format"):
         a.load_state(ref)
+
+
+def test_non_finite_sampler_weights_are_refused_at_load(make):
+    """Weights saved with a NaN (their digest matches: nothing was flipped) fail at load naming
+    the file and tensor, not at the first forward."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    path = make().save_weights_for_sampler("nan")
+    with safe_open(path, framework="numpy") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors["embed"][3, 1] = np.nan  # as a diverged run would have saved it
+    meta["data_sha256"] = checkpoint.tensors_digest(tensors)
+    save_file(tensors, path, meta)
+    with pytest.raises(checkpoint.IntegrityError, match=r"tensor 'embed': 1 of .* NaN or infinite"):
+        checkpoint.load_weights(path)
+    with pytest.raises(ValueError, match="refusing to load non-finite weights"):
+        make(seed=3).load_weights(path)

@@ -542,6 +542,12 @@ def test_flipped_bytes_in_checkpoint_files_fail_closed_naming_the_file(tmp_path,
     trainer = make_trainer(cfg, tmp_path / "probe")
     with pytest.raises(ValueError, match=f"sampler weights {sampler} are corrupted"):
         trainer.load_weights(str(sampler))
+    # ... and the resume from that checkpoint fails closed before any work (#23: it resumed).
+    with pytest.raises(ckpt.CheckpointError) as err:
+        run(cfg, resume=True, progress=False)
+    text = str(err.value)
+    assert text.startswith("--resume: checkpoint step 6: promotable weights ")
+    assert f"file {sampler} is corrupted" in text and "promotable weights are damaged" in text
     # An untouched copy still resumes.
     import shutil
 

@@ -42,7 +42,13 @@ from typing import Any
 import numpy as np
 
 from runner._atomic import atomic_path, atomic_write_text, make_dirs, publish_dir
-from runner._digests import IntegrityError, bytes_digest, tree_digests, verify_tree
+from runner._digests import (
+    IntegrityError,
+    bytes_digest,
+    check_finite,
+    tree_digests,
+    verify_tree,
+)
 
 #: 2: integrity digests (a version-1 checkpoint, written without them, is refused).
 FORMAT_VERSION = 2
@@ -276,6 +282,8 @@ def load_weights(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
             f"sampler weights {path} are corrupted or were modified: their tensors' sha256 "
             "differs from the one recorded when they were written"
         )
+    for name, arr in tensors.items():
+        check_finite(arr, f"sampler weights {path}: tensor {name!r}")
     try:
         meta = {
             k: (json.loads(v) if k not in ("format", "format_version", "data_sha256") else v)

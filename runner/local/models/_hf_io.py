@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from runner._atomic import atomic_path, atomic_write_text, make_dirs, publish_dir
-from runner._digests import IntegrityError, bytes_digest
+from runner._digests import IntegrityError, bytes_digest, check_finite
 from runner.local.checkpoint import tensors_digest
 from runner.local.models import _decoder
 from runner.local.models._config import DecoderConfig, from_hf_config, to_hf_config
@@ -220,6 +220,7 @@ def load_pretrained(
                         f"supported: {sorted(_DTYPES)}"
                     )
                 arr = f.get_tensor(name)
+                check_finite(arr, f"{path}: tensor {name!r}")
                 target = params[key] if i is None else params["layers"][key][i]
                 target[...] = arr.astype(dt)
                 seen.add(name)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from runner._atomic import atomic_path, atomic_write_text
-from runner._digests import IntegrityError
+from runner._digests import IntegrityError, check_finite
 from runner.local.checkpoint import tensors_digest
 from runner.local.models import _decoder, _hf_io
 from runner.local.models._config import DecoderConfig
@@ -276,6 +276,7 @@ def load_peft(
         if plain not in expected:
             raise ValueError(f"{path}: unexpected tensor {key!r} for this adapter config")
         name, which, i, shape = expected.pop(plain)
+        check_finite(arr, f"{path}: tensor {key!r}")
         if tuple(arr.shape) != shape:
             raise ValueError(
                 f"{path}: tensor {key!r} has shape {list(arr.shape)}, expected {list(shape)}"

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from runner._digests import IntegrityError
+from runner._digests import IntegrityError, check_finite
 from runner.local import checkpoint
 from runner.local.models import _decoder, _hf_io, _lora
 from runner.local.models._config import DecoderConfig, to_dict
@@ -237,6 +237,8 @@ def load_sampler(path: Path, cfg, model_meta: Mapping[str, Any], lp_dtype: np.dt
             f"sampler weights {path} are corrupted or were modified: their tensors' sha256 "
             "differs from the one recorded when they were written"
         )
+    for name, arr in tensors.items():
+        check_finite(arr, f"sampler weights {path}: tensor {name!r}")
     try:
         saved = json.loads(meta.get("foldloss_model", "null"))
     except json.JSONDecodeError as exc:
