@@ -66,7 +66,11 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="start over a run that was stopped before its first checkpoint",
         )
-        s.add_argument("--no-progress", action="store_true", help="no progress bar")
+        s.add_argument(
+            "--no-progress",
+            action="store_true",
+            help="no progress bar (without a terminal: no progress lines on stdout)",
+        )
         s.add_argument(
             "--set",
             action="append",
@@ -202,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                 cfg,
                 resume=args.resume,
                 restart=args.restart,
-                progress=not args.no_progress and sys.stderr.isatty(),
+                # a bar on a terminal; a plain line every few steps in a log
+                progress="off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines"),
                 on_step=on_step,
             )
     except (ValueError, CheckpointError) as exc:

@@ -312,7 +312,7 @@ def run(
     resume: bool = False,
     trainer: Trainer | None = None,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
-    progress: bool = True,
+    progress: bool | str = True,
     restart: bool = False,
 ) -> RunResult:
     """Runs (or resumes) the main job; returns the metrics of every step.
@@ -324,7 +324,8 @@ def run(
       trainer: an already-built trainer (tests; the Fireworks fake); default: `make_trainer`.
         Its capabilities are checked against the config (`check_capabilities`) before any work.
       on_step: callback after each step's metrics are written.
-      progress: show a rich progress bar.
+      progress: a `runner.progress.Progress` mode: ``"bar"`` (True: a rich progress bar),
+        ``"lines"`` (a plain line every few steps, for a log) or ``"off"`` (False).
     """
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     ckpt_root = run_dir / "checkpoints"
@@ -495,7 +496,8 @@ def run(
                 tracking.commit(log.records, step, run_dir / "plot.png")  # now durable
 
             step = start
-            with Progress(total=total, start=start - 1, enabled=progress) as bar:
+            mode = progress if isinstance(progress, str) else ("bar" if progress else "off")
+            with Progress(total=total, start=start - 1, mode=mode) as bar:
                 if start == 1:
                     log.append({"step": 0, "phase": "eval", **evaluations(0), "time": time.time()})
                 for step in range(start, total + 1):

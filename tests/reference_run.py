@@ -21,14 +21,14 @@ TINY = ROOT / "examples" / "tiny.toml"
 
 def tiny_reference_args(out: Path, *extra: str) -> list[str]:
     """The arguments after ``python -m runner``: examples/tiny.toml into ``out/tiny``, with a
-    checkpoint after every step and a promotable snapshot in each."""
+    checkpoint after every step and a promotable snapshot in each (and, its stderr being no
+    terminal, a progress line per step on stdout)."""
     return [
         "train",
         "--config",
         str(TINY),
         "--output-dir",
         str(out),
-        "--no-progress",
         "--checkpoint-interval",
         "1",
         "--set",

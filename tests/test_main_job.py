@@ -89,6 +89,13 @@ def test_end_to_end_outputs_are_well_formed(uninterrupted):
         assert (run_dir / m["promotable"]["snapshot_path"]).exists()
         assert m["resumable"]["provider_path"] != m["promotable"]["snapshot_path"]
     assert "eval reward" in stdout and "run directory" in stdout
+    # Without a terminal, a progress line per step (runner.progress "lines"; 6 steps: every 1).
+    progress = [line for line in stdout.splitlines() if line.startswith("step ")]
+    total = cfg.total_steps
+    assert [line.split("  ")[:2] for line in progress] == [
+        [f"step {s}/{total}", "sft" if s <= cfg.sft.steps else "rl"] for s in range(1, total + 1)
+    ]
+    assert "nll " in progress[0] and "reward " in progress[-1] and "eval " in progress[-1]
 
 
 def test_kill_and_resume_matches_the_uninterrupted_run(uninterrupted, tmp_path):
