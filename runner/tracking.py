@@ -10,6 +10,11 @@ dashboard is up to ``[checkpoint].interval`` steps behind the JSONL.
 
 Each sink records in ``tracking.json`` (run directory) the last step it was given, so a resume (or
 a sink switched on at a resume) is first brought up to the checkpoint from ``metrics.jsonl``.
+"Given" is "holds" only for a durable sink (TensorBoard flushes its event file in `log`). W&B's
+service buffers its run file (written every ~15 s) and uploads asynchronously, so a SIGKILL loses
+what it was given last: a resume gives such a sink every record ``metrics.jsonl`` kept, and the
+sink skips the steps it reports holding (online, the W&B server's step; offline, none: the new
+offline file holds the whole run, and ``wandb sync`` ignores a step that is not past the last).
 
 A sink is an object with `Sink`'s three methods; `SINKS` lists the kinds (the ``[log]`` key that
 enables one, the pip extra that provides its library, its factory); `Tracking.open` builds the
@@ -53,6 +58,12 @@ class Sink(Protocol):
         """Flushes and closes (``ok``: the run ended without an error)."""
 
 
+def _holds_through(run: Any) -> int:
+    """The last step a resumed W&B run already holds (``run.step`` is the next one: the
+    server's, online; 0 offline, where nothing is known)."""
+    return int(run.step) - 1
+
+
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """The record's numbers as floats, without ``step`` and ``time`` (lists and strings such as
     ``data/lines`` and ``phase`` stay in the JSONL only)."""
@@ -83,9 +94,10 @@ class WandbSink:
             id=run_id,
             resume="allow",
             dir=str(run_dir),
-            config=cfg.to_dict() if fresh else None,
+            config=cfg.to_dict(),  # again at a resume: the killed run's file may have lost it
             settings=wandb.Settings(console="off", silent=True, disable_git=True, save_code=False),
         )
+        self._holds = -1 if fresh else _holds_through(self.run)
 
     def log(
         self,
@@ -94,6 +106,8 @@ class WandbSink:
         wall_time: float | None,
         images: Mapping[str, Path],
     ) -> None:
+        if step <= self._holds:  # a replayed step the W&B run has (it would drop it, warning)
+            return
         row: dict[str, Any] = dict(scalars)
         row.update({tag: self._wandb.Image(str(png)) for tag, png in images.items()})
         # commit: W&B otherwise holds a step's row open until a later step arrives, and a
@@ -179,12 +193,14 @@ class TensorBoardSink:
 class SinkKind:
     """One kind of sink: enabled by ``[log].<key> = true``, its library from ``pip install
     'foldloss[<extra>]'`` (import name ``module``), built by ``build(cfg, run_dir, run_id, fresh=,
-    start=)``."""
+    start=)``. ``durable``: a step is on disk when ``log`` returns; a sink that buffers is given
+    every kept record again at a resume (module docstring)."""
 
     key: str
     extra: str
     module: str
     build: Callable[..., Sink]
+    durable: bool
 
 
 #: Every sink the runner can feed, in the order they are given records.
@@ -194,8 +210,9 @@ SINKS: tuple[SinkKind, ...] = (
         "wandb",
         "wandb",
         lambda cfg, run_dir, run_id, *, fresh, start: WandbSink(cfg, run_dir, run_id, fresh=fresh),
+        durable=False,
     ),
-    SinkKind("tensorboard", "tensorboard", "tensorboard", TensorBoardSink),
+    SinkKind("tensorboard", "tensorboard", "tensorboard", TensorBoardSink, durable=True),
 )
 
 
@@ -238,12 +255,14 @@ class Tracking:
         records: Sequence[Mapping[str, Any]],
         *,
         resume: bool,
+        plot: Path | None = None,
     ) -> Tracking:
         """Builds the sinks ``[log]`` enables and brings each up to ``records`` (the records
         ``metrics.jsonl`` kept: on ``--resume``, those up to the checkpoint).
 
         A fresh run's sinks get the config; a resumed run's get what they lack of ``records``
-        (all of them for a sink switched on at this resume, which then also gets the config).
+        (all of them for a sink switched on at this resume, which then also gets the config; all
+        of them and the config for a sink that is not ``durable``), ``plot`` with the last.
         """
         kinds = [k for k in SINKS if getattr(cfg.log, k.key)]
         if not kinds:
@@ -263,6 +282,7 @@ class Tracking:
         last = records[-1]["step"] if records else -1
         sinks: dict[str, Sink] = {}
         tracking = cls(sinks, state_path, last)
+        images = {"plot": plot} if plot is not None and plot.exists() else {}
         try:
             for kind in kinds:
                 had = state.get(kind.key)
@@ -271,7 +291,8 @@ class Tracking:
                     cfg, run_dir, run_id, fresh=fresh, start=(-1 if fresh else had) + 1
                 )
                 sinks[kind.key] = sink
-                _deliver(sink, records, after=-1 if fresh else had, through=last)
+                after = -1 if fresh or not kind.durable else had
+                _deliver(sink, records, after=after, through=last, images=images)
             tracking._save()
         except BaseException:
             tracking.close(ok=False)

@@ -436,7 +436,13 @@ def run(
                     expected_name=manifest["saved_as"],
                 )
             log = MetricsLog(run_dir / "metrics.jsonl", start - 1 if resume else None)
-            tracking = Tracking.open(cfg, run_dir, run_id, log.records, resume=resume)
+            from runner.plot import plot_metrics
+
+            if resume and log.records:  # the checkpoint's plot (a kill may have come before it)
+                plot_metrics(log.records, run_dir / "plot.png")
+            tracking = Tracking.open(
+                cfg, run_dir, run_id, log.records, resume=resume, plot=run_dir / "plot.png"
+            )
             step_runner = StepRunner(rl_loss(cfg), mode=cfg.rl.mode)
             reference = None
             # The KL reference as the checkpoint recorded it (verified before it is loaded).
@@ -444,7 +450,6 @@ def run(
             total = cfg.total_steps
             last_manifest = manifest
 
-            from runner.plot import plot_metrics
             from runner.progress import Progress  # rich is optional at import time
 
             def evaluations(step: int) -> dict[str, float]:
