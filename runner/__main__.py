@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from runner._atomic import is_disk_full
 from runner.checkpoints import CheckpointError, latest_step
 from runner.config import load_config
 
@@ -210,12 +211,20 @@ def main(argv: list[str] | None = None) -> int:
                 progress="off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines"),
                 on_step=on_step,
             )
-    except (ValueError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a read-only or full disk, a missing directory: one line
-        where = f" {exc.filename}" if exc.filename else ""
-        print(f"error: cannot access{where}: {exc.strerror or exc}", file=sys.stderr)
+    except (ValueError, CheckpointError, OSError) as exc:
+        if is_disk_full(exc):  # a library's own error type included
+            oserror = isinstance(exc, OSError)
+            where = exc.filename if oserror and exc.filename else _run_dir(cfg)
+            why = exc.strerror if oserror and exc.strerror else "No space left on device"
+            print(
+                f"error: disk full writing {where}: {why}; free space, then {_resume_hint(cfg)}",
+                file=sys.stderr,
+            )
+        elif isinstance(exc, OSError):  # a read-only disk, a missing directory: one line
+            where = f" {exc.filename}" if exc.filename else ""
+            print(f"error: cannot access{where}: {exc.strerror or exc}", file=sys.stderr)
+        else:
+            print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"error: interrupted; {_resume_hint(cfg)}", file=sys.stderr)
@@ -285,9 +294,13 @@ def _freeze_after_first_step():
     return on_step
 
 
+def _run_dir(cfg) -> Path:
+    return Path(cfg.run.output_dir) / cfg.run.name
+
+
 def _resume_hint(cfg) -> str:
     """What a rerun continues from, after an interrupt."""
-    root = Path(cfg.run.output_dir) / cfg.run.name / "checkpoints"
+    root = _run_dir(cfg) / "checkpoints"
     try:
         step = latest_step(root)
     except CheckpointError as exc:

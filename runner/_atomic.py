@@ -8,13 +8,20 @@ file or the new one, never a torn one; on an exception the temporary file is rem
 `atomic_path` is the general form, for writers that want a path rather than bytes (safetensors'
 ``save_file``, matplotlib's ``savefig``); `publish_dir` atomically publishes a directory that was
 built under a temporary name (a rename of a new directory, then a directory fsync).
+
+`ensure_space` checks before a large write that the file system can hold it: a checkpoint
+library that runs out of space half-way (orbax's threads, tensorstore's callbacks) prints pages
+of tracebacks from its own threads before its error arrives; checked first, a full disk is one
+``OSError`` naming the directory, the bytes needed and the bytes free.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +32,8 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "disk_full",
+    "ensure_space",
     "fsync_dir",
     "fsync_file",
     "make_dirs",
@@ -54,6 +63,35 @@ def fsync_dir(path: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+#: Room left beyond a write's own bytes (metadata, the manifest and JSONL lines after it).
+SPACE_MARGIN_BYTES = 1 << 20
+#: A write's bytes on disk relative to its arrays (orbax's OCDBT index, safetensors' header).
+SPACE_OVERHEAD = 1.25
+
+
+def disk_full(path: str | os.PathLike, detail: str) -> OSError:
+    """The one error a full file system gives: ``ENOSPC`` with ``path`` and ``detail``."""
+    return OSError(errno.ENOSPC, f"No space left on device ({detail})", str(path))
+
+
+def ensure_space(directory: str | os.PathLike, nbytes: int) -> None:
+    """Raises `disk_full` unless the file system of ``directory`` has room for ``nbytes`` (times
+    `SPACE_OVERHEAD`, plus `SPACE_MARGIN_BYTES`). ``directory`` must exist."""
+    need = int(nbytes * SPACE_OVERHEAD) + SPACE_MARGIN_BYTES
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise disk_full(directory, f"a checkpoint write needs about {need:,} bytes, {free:,} free")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OSError, or a library's own error type: tensorstore's
+    ``RESOURCE_EXHAUSTED``, safetensors' ``SafetensorError``) reports a full file system."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "os_error_code='28'" in text
 
 
 def tmp_sibling(path: str | os.PathLike, suffix: str = "") -> Path:

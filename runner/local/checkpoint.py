@@ -29,7 +29,9 @@ checkpoint directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,7 +43,15 @@ from typing import Any
 
 import numpy as np
 
-from runner._atomic import atomic_path, atomic_write_text, make_dirs, publish_dir
+from runner._atomic import (
+    atomic_path,
+    atomic_write_text,
+    disk_full,
+    ensure_space,
+    is_disk_full,
+    make_dirs,
+    publish_dir,
+)
 from runner._digests import (
     IntegrityError,
     bytes_digest,
@@ -78,12 +88,43 @@ def write_tree(directory: Path, tree: Any) -> None:
     """
     import orbax.checkpoint as ocp
 
-    ckptr = ocp.StandardCheckpointer()
+    ensure_space(directory.parent, tree_nbytes(tree))
+    with _quiet_library_logs():
+        ckptr = ocp.StandardCheckpointer()
+        try:
+            ckptr.save(directory.absolute(), tree)
+            ckptr.wait_until_finished()
+        except Exception as exc:
+            if is_disk_full(exc):  # filled during the write (the check above saw room)
+                raise disk_full(directory, "while orbax wrote the state") from None
+            raise
+        finally:
+            ckptr.close()
+
+
+def tree_nbytes(tree: Any) -> int:
+    """The bytes of a pytree's arrays."""
+    import jax
+
+    return sum(
+        int(np.size(x)) * np.dtype(np.result_type(x)).itemsize
+        for x in jax.tree_util.tree_leaves(tree)
+    )
+
+
+@contextlib.contextmanager
+def _quiet_library_logs():
+    """orbax logs each failed thread (absl) and asyncio each unretrieved task exception; the
+    write's own exception says it once, so those loggers are raised to CRITICAL meanwhile."""
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
     try:
-        ckptr.save(directory.absolute(), tree)
-        ckptr.wait_until_finished()
+        yield
     finally:
-        ckptr.close()
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def read_tree(directory: Path, target: Any) -> Any:
@@ -221,8 +262,14 @@ def save_weights(root: Path, name: str, tensors: Mapping[str, np.ndarray], meta:
     metadata = {"format": SAMPLER_KIND, "format_version": str(FORMAT_VERSION)}
     metadata.update({k: json.dumps(v, sort_keys=True) for k, v in meta.items()})
     metadata["data_sha256"] = tensors_digest(arrays)
-    with atomic_path(final) as tmp:
-        save_file(arrays, tmp, metadata=metadata)
+    ensure_space(final.parent, sum(a.nbytes for a in arrays.values()))
+    try:
+        with atomic_path(final) as tmp:
+            save_file(arrays, tmp, metadata=metadata)
+    except Exception as exc:
+        if is_disk_full(exc):  # safetensors raises its own error type for ENOSPC
+            raise disk_full(final, "while writing sampler weights") from None
+        raise
     return str(final)
 
 
