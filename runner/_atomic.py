@@ -34,6 +34,8 @@ __all__ = [
     "atomic_write_text",
     "disk_full",
     "ensure_space",
+    "full_disk_as_oserror",
+    "is_disk_full",
     "fsync_dir",
     "fsync_file",
     "make_dirs",
@@ -92,6 +94,18 @@ def is_disk_full(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return "No space left on device" in text or "os_error_code='28'" in text
+
+
+@contextlib.contextmanager
+def full_disk_as_oserror(path: str | os.PathLike, detail: str) -> Iterator[None]:
+    """Turns a library's full-disk error inside the block into `disk_full` (``path``,
+    ``detail``), without the library's chained traceback; other errors pass unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        if is_disk_full(exc):
+            raise disk_full(path, detail) from None
+        raise
 
 
 def tmp_sibling(path: str | os.PathLike, suffix: str = "") -> Path:

@@ -46,9 +46,8 @@ import numpy as np
 from runner._atomic import (
     atomic_path,
     atomic_write_text,
-    disk_full,
     ensure_space,
-    is_disk_full,
+    full_disk_as_oserror,
     make_dirs,
     publish_dir,
 )
@@ -91,13 +90,10 @@ def write_tree(directory: Path, tree: Any) -> None:
     ensure_space(directory.parent, tree_nbytes(tree))
     with _quiet_library_logs():
         ckptr = ocp.StandardCheckpointer()
-        try:
-            ckptr.save(directory.absolute(), tree)
-            ckptr.wait_until_finished()
-        except Exception as exc:
-            if is_disk_full(exc):  # filled during the write (the check above saw room)
-                raise disk_full(directory, "while orbax wrote the state") from None
-            raise
+        try:  # a disk filled during the write (the check above saw room): one OSError
+            with full_disk_as_oserror(directory, "while orbax wrote the state"):
+                ckptr.save(directory.absolute(), tree)
+                ckptr.wait_until_finished()
         finally:
             ckptr.close()
 
@@ -263,13 +259,9 @@ def save_weights(root: Path, name: str, tensors: Mapping[str, np.ndarray], meta:
     metadata.update({k: json.dumps(v, sort_keys=True) for k, v in meta.items()})
     metadata["data_sha256"] = tensors_digest(arrays)
     ensure_space(final.parent, sum(a.nbytes for a in arrays.values()))
-    try:
-        with atomic_path(final) as tmp:
-            save_file(arrays, tmp, metadata=metadata)
-    except Exception as exc:
-        if is_disk_full(exc):  # safetensors raises its own error type for ENOSPC
-            raise disk_full(final, "while writing sampler weights") from None
-        raise
+    # safetensors raises its own error type for ENOSPC
+    with full_disk_as_oserror(final, "while writing sampler weights"), atomic_path(final) as tmp:
+        save_file(arrays, tmp, metadata=metadata)
     return str(final)
 
 
