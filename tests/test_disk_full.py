@@ -112,3 +112,17 @@ def test_the_space_check_refuses_before_writing(small_disk):
     with pytest.raises(OSError, match=r"needs about [\d,]+ bytes, [\d,]+ free") as info:
         lc.save_weights(mnt, "w", big, {"step": 1})
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(mnt / "sampler")
+
+
+def test_tree_nbytes_counts_each_leaf_without_dtype_inference_warnings():
+    """A jax array's dtype read through ``np.result_type`` is deprecated (a warning that a
+    caller's ``simplefilter("error")`` turns into a failed save), so the size comes from
+    ``nbytes``; Python scalars count as NumPy would store them."""
+    import warnings
+
+    import jax.numpy as jnp
+
+    tree = {"w": jnp.ones((3, 5), jnp.float32), "m": np.zeros((2, 2), np.float64), "n": 3, "x": 1.5}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lc.tree_nbytes(tree) == 3 * 5 * 4 + 2 * 2 * 8 + 8 + 8

@@ -103,7 +103,7 @@ def tree_nbytes(tree: Any) -> int:
     import jax
 
     return sum(
-        int(np.size(x)) * np.dtype(np.result_type(x)).itemsize
+        int(x.nbytes) if hasattr(x, "nbytes") else np.asarray(x).nbytes
         for x in jax.tree_util.tree_leaves(tree)
     )
 
