@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,13 @@ ROLLOUTS = ("lockstep", "concurrent")
 CLOSE_TIMEOUT_S = 120.0
 
 log = logging.getLogger("runner.rollouts")
+
+
+#: ``[rl].anchor``: the PPO/GRPO anchor ``old_logprobs`` of the trained tokens. ``sampler``: the
+#: sampler's logprobs (the anchor is the behaviour policy); ``old_policy``: one trainer forward
+#: per chunk at the weights about to be updated (the importance corrections of `losses` then
+#: weight by sampler vs old policy).
+ANCHORS = ("sampler", "old_policy")
 
 
 def validate_async(cfg: Any) -> None:
@@ -80,6 +88,18 @@ def validate_async(cfg: Any) -> None:
         )
     if rl.max_fill_rounds < 0:
         raise ValueError(f"config [rl].max_fill_rounds must be >= 0, got {rl.max_fill_rounds}")
+    if not 1 <= rl.pipeline_chunks <= rl.problems_per_step:
+        raise ValueError(
+            f"config [rl].pipeline_chunks must be in [1, [rl].problems_per_step = "
+            f"{rl.problems_per_step}] (a chunk holds whole groups), got {rl.pipeline_chunks}"
+        )
+    if rl.num_microbatches > 1 and rl.pipeline_chunks > 1:
+        raise ValueError(
+            "config [rl].num_microbatches and [rl].pipeline_chunks cannot both exceed 1 (each "
+            "chunk is one micro-batch of the step; set one of them)"
+        )
+    if rl.anchor not in ANCHORS:
+        raise ValueError(f"config [rl].anchor must be one of {ANCHORS}, got {rl.anchor!r}")
     if rl.rollout == "lockstep":
         for key in (
             "max_off_policy_steps",
@@ -296,15 +316,59 @@ class RolloutService:
 
     # -- the trainer's side ------------------------------------------------------------------------
 
-    def collect(self, step: int) -> Collected:
+    def collect(
+        self,
+        step: int,
+        *,
+        chunk_sizes: Sequence[int] | None = None,
+        on_chunk: Callable[[list[list[Episode]]], None] | None = None,
+    ) -> Collected:
         """Waits for step ``step``'s groups: the next ``problems_per_step`` kept groups in
-        admission order (rejected and uniform groups on the way are counted and skipped)."""
+        admission order (rejected and uniform groups on the way are counted and skipped).
+
+        Args:
+          chunk_sizes: groups per chunk (summing to ``problems_per_step``; default one chunk).
+          on_chunk: called with each chunk's groups, in order, as soon as the chunk is complete
+            (on the calling thread, while later groups still sample: `runner.steps` streams
+            the trainer's forwards this way). Its time does not count as waiting.
+        """
+        sizes = list(chunk_sizes or [self.problems])
+        if sum(sizes) != self.problems or min(sizes) < 1:
+            raise ValueError(
+                f"chunk_sizes {sizes} must be positive and sum to {self.problems} groups"
+            )
         started = time.perf_counter()
         version = step - self.first_rl
         taken: list[tuple[int, list[Episode]]] = []
         counts = {"dropped": 0, "rejected": 0, "uniform": 0}
+        waited = 0.0
+        for size in sizes:
+            wait_from = time.perf_counter()
+            chunk = self._take(size, counts)
+            waited += time.perf_counter() - wait_from
+            taken.extend(chunk)
+            if on_chunk is not None:
+                on_chunk([episodes for _, episodes in chunk])
+        if version != self.controller.version:
+            raise RuntimeError(
+                f"RolloutService.collect: step {step} trains version {version}, but version "
+                f"{self.controller.version} is published"
+            )
+        return Collected(
+            groups=[episodes for _, episodes in taken],
+            problem_ids=[self.problem_id(slot) for slot, _ in taken],
+            version=version,
+            started=started,
+            waited_s=waited,
+            in_flight=self.controller.in_flight,
+            **counts,
+        )
+
+    def _take(self, n: int, counts: dict[str, int]) -> list[tuple[int, list[Episode]]]:
+        """The next ``n`` kept groups in admission order, waiting for them."""
+        taken: list[tuple[int, list[Episode]]] = []
         with self._cond:
-            while len(taken) < self.problems:
+            while len(taken) < n:
                 while self._error is None and self.next_order not in self._done:
                     self._cond.wait()
                 if self._error is not None:
@@ -317,21 +381,7 @@ class RolloutService:
                     taken.append((slot, episodes))
                 else:
                     counts[outcome] += 1
-        if version != self.controller.version:
-            raise RuntimeError(
-                f"RolloutService.collect: step {step} trains version {version}, but version "
-                f"{self.controller.version} is published"
-            )
-        waited = time.perf_counter() - started
-        return Collected(
-            groups=[episodes for _, episodes in taken],
-            problem_ids=[self.problem_id(slot) for slot, _ in taken],
-            version=version,
-            started=started,
-            waited_s=waited,
-            in_flight=self.controller.in_flight,
-            **counts,
-        )
+        return taken
 
     def durable_state(self) -> dict[str, Any]:
         """What a checkpoint after the last collected step records: the first problem slot not

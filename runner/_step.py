@@ -247,6 +247,7 @@ class StepRunner:
         seqs: Sequence[Seq],
         *,
         num_microbatches: int = 1,
+        slices: Sequence[slice] | None = None,
         forward: Sequence[np.ndarray] | None = None,
     ) -> dict[str, float]:
         """Issues the step's passes (gradients accumulate on the trainer); no ``optim_step``.
@@ -256,7 +257,10 @@ class StepRunner:
           seqs: the optimizer batch, each with the term's per-token inputs.
           num_microbatches: cut the batch into this many contiguous chunks (one pass set each);
             normalizers always span the whole batch, so the gradient does not change.
-          forward: logprobs of ``seqs`` at the current weights (client path: skips its forward).
+          slices: the micro-batches as contiguous row slices covering the batch in order (in
+            place of ``num_microbatches``; e.g. the pipeline chunks of an RL step).
+          forward: logprobs of ``seqs`` at the current weights (client path: skips its forward;
+            the other paths do not use it).
 
         Returns:
           Metrics: the term's ``loss`` and metrics, ``path``-specific counters,
@@ -269,6 +273,20 @@ class StepRunner:
         validate_seqs(seqs, required=("action_mask",))
         if num_microbatches > len(seqs):
             raise ValueError(f"num_microbatches={num_microbatches} exceeds {len(seqs)} sequences")
+        if slices is not None:
+            slices = list(slices)
+            ends = [0] + [sl.stop for sl in slices]
+            if (
+                [sl.start for sl in slices] != ends[:-1]
+                or ends[-1] != len(seqs)
+                or any(sl.stop <= sl.start or sl.step not in (None, 1) for sl in slices)
+            ):
+                raise ValueError(
+                    f"slices must be non-empty contiguous row ranges covering the {len(seqs)} "
+                    f"sequences in order, got {slices}"
+                )
+        if forward is not None and len(forward) != len(seqs):
+            raise ValueError(f"forward holds {len(forward)} rows for {len(seqs)} sequences")
         plan = self.plan(trainer, seqs)
         if plan.all_targets_actions and not all(np.all(s.inputs["action_mask"] > 0) for s in seqs):
             # e.g. the builtin dro applies its quadratic at every target: exact only if all are
@@ -280,11 +298,12 @@ class StepRunner:
                 )
             plan = Plan(path="client", reason=f"{plan.kernel} with non-action targets: client path")
         norms = normalizers(seqs)
-        slices = (
-            losses.row_slices(len(seqs), num_microbatches)
-            if num_microbatches > 1
-            else [slice(0, len(seqs))]
-        )
+        if slices is None:
+            slices = (
+                losses.row_slices(len(seqs), num_microbatches)
+                if num_microbatches > 1
+                else [slice(0, len(seqs))]
+            )
         counter = PassCounter()
         parts, sizes = [], []
         for sl in slices:
@@ -378,10 +397,13 @@ class StepRunner:
         adam: AdamParams,
         *,
         num_microbatches: int = 1,
+        slices: Sequence[slice] | None = None,
         forward: Sequence[np.ndarray] | None = None,
     ) -> dict[str, float]:
         """`accumulate` then ``optim_step(adam, normalization="none")``; merged metrics."""
-        metrics = self.accumulate(trainer, seqs, num_microbatches=num_microbatches, forward=forward)
+        metrics = self.accumulate(
+            trainer, seqs, num_microbatches=num_microbatches, slices=slices, forward=forward
+        )
         opt = trainer.optim_step(adam, "none")
         metrics.update({f"optim/{k}": float(v) for k, v in opt.items()})
         return metrics

@@ -144,6 +144,8 @@ class RLConfig:
     min_group_size: int = 0
     drop_uniform_groups: bool = False
     max_fill_rounds: int = 1
+    pipeline_chunks: int = 1
+    anchor: str = "sampler"
 
 
 @dataclasses.dataclass(frozen=True)

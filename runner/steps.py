@@ -122,6 +122,72 @@ def rl_seqs(cfg: Any, groups) -> tuple[list[Seq], np.ndarray]:
     return seqs, rewards
 
 
+def chunk_sizes(cfg: Any) -> list[int]:
+    """Groups per pipeline chunk: ``[rl].problems_per_step`` cut into ``[rl].pipeline_chunks``
+    balanced parts (the larger ones first)."""
+    return [
+        sl.stop - sl.start
+        for sl in losses.row_slices(cfg.rl.problems_per_step, cfg.rl.pipeline_chunks)
+    ]
+
+
+class ChunkForwards:
+    """The forwards of an RL step that need only its tokens, issued chunk by chunk.
+
+    Called with each chunk's groups as soon as the chunk is complete (with the concurrent
+    rollout: while the step's later groups still sample): the KL reference's forward when there
+    is a reference, and with ``[rl].anchor = "old_policy"`` the trainer's forward at the weights
+    about to be updated (the anchor ``old_logprobs``; on the client path it is also the step's
+    own forward, so the anchor costs no pass there).
+
+    Attributes:
+      ref, old: per-row logprobs, in row order (empty when not computed).
+      rows: rows per chunk.
+      passes: forwards issued; ``streamed``: those issued before the step's last chunk.
+    """
+
+    def __init__(self, trainer: Any, reference: Any, *, anchor: str, chunks: int):
+        self.trainer, self.reference, self.chunks = trainer, reference, chunks
+        self.old_policy = anchor == "old_policy"
+        self.ref: list[np.ndarray] = []
+        self.old: list[np.ndarray] = []
+        self.rows: list[int] = []
+        self.passes = self.streamed = 0
+
+    def __call__(self, groups: Sequence[Sequence[Any]]) -> None:
+        seqs = [episode_to_seq(e).with_inputs() for g in groups for e in g]
+        last = len(self.rows) == self.chunks - 1
+        self.rows.append(len(seqs))
+        for wanted, trainer, out in (
+            (self.reference is not None, self.reference, self.ref),
+            (self.old_policy, self.trainer, self.old),
+        ):
+            if wanted:
+                out.extend(np.asarray(lp) for lp in trainer.forward(seqs))
+                self.passes += 1
+                self.streamed += not last
+
+    def slices(self) -> list[slice] | None:
+        """The chunks as row slices of the step's batch (``None``: one chunk)."""
+        if len(self.rows) == 1:
+            return None
+        ends = np.cumsum([0, *self.rows])
+        return [slice(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:], strict=True)]
+
+    def attach(self, seqs: Sequence[Seq]) -> list[Seq]:
+        """``seqs`` with ``ref_logprobs`` and ``old_logprobs`` (on action tokens) added."""
+        out = []
+        for i, s in enumerate(seqs):
+            inputs = dict(s.inputs)
+            mask = inputs["action_mask"]
+            if self.ref:
+                inputs["ref_logprobs"] = np.asarray(self.ref[i], np.float64) * mask
+            if self.old:
+                inputs["old_logprobs"] = np.asarray(self.old[i], np.float64) * mask
+            out.append(Seq(s.tokens, inputs))
+        return out
+
+
 def rl_step(
     cfg: Any,
     trainer: Any,
@@ -134,10 +200,16 @@ def rl_step(
     """Sample groups → rewards → group advantages → one planned step of the RL loss.
 
     ``rollouts``: a `runner._pipeline.RolloutService` (``[rl].rollout = "concurrent"``) that
-    hands over the step's groups; ``None``: the lock-step rollout, here.
+    hands over the step's groups chunk by chunk (``[rl].pipeline_chunks``); ``None``: the
+    lock-step rollout, here. Each chunk is one micro-batch of the step: its token-only forwards
+    (`ChunkForwards`) run as soon as it is complete, its gradient passes once the step's last
+    group is in (the normalizers span the whole step, so the gradient does not depend on the
+    number of chunks).
     """
+    sizes = chunk_sizes(cfg)
+    forwards = ChunkForwards(trainer, reference, anchor=cfg.rl.anchor, chunks=len(sizes))
     if rollouts is not None:
-        collected = rollouts.collect(step)
+        collected = rollouts.collect(step, chunk_sizes=sizes, on_chunk=forwards)
         groups = collected.groups
     else:
         rng = step_rng(cfg, 2, step)
@@ -151,24 +223,24 @@ def rl_step(
             seed=int(rng.integers(2**31)),
             max_seq_len=cfg.model.max_seq_len,
         )
+        start = 0
+        for size in sizes:
+            forwards(groups[start : start + size])
+            start += size
     seqs, rewards = rl_seqs(cfg, groups)
-    extra_forwards = 0
-    if reference is not None:
-        ref = reference.forward([s.with_inputs() for s in seqs])
-        extra_forwards = 1
-        seqs = [
-            Seq(
-                s.tokens,
-                dict(s.inputs, ref_logprobs=np.asarray(r, np.float64) * s.inputs["action_mask"]),
-            )
-            for s, r in zip(seqs, ref, strict=True)
-        ]
+    seqs = forwards.attach(seqs)
     metrics = runner.step(
-        trainer, seqs, adam(cfg, cfg.rl.learning_rate), num_microbatches=cfg.rl.num_microbatches
+        trainer,
+        seqs,
+        adam(cfg, cfg.rl.learning_rate),
+        num_microbatches=cfg.rl.num_microbatches,
+        slices=forwards.slices(),
+        forward=forwards.old or None,
     )
-    metrics["passes/forwards"] += extra_forwards
+    metrics["passes/forwards"] += forwards.passes
     if rollouts is not None:
         metrics.update(rollouts.published(collected))
+        metrics["async/streamed_forwards"] = float(forwards.streamed)
     episodes = [e for g in groups for e in g]
     metrics.update(
         {

@@ -303,11 +303,21 @@ def test_the_default_rollout_is_lockstep_and_the_default_identity_is_unchanged()
         ("rl.env_workers=0", r"\[rl\].env_workers must be >= 1"),
         ("rl.sample_batch_ms=-1", r"\[rl\].sample_batch_ms must be in"),
         ("task.kwargs.latency_ms=-5", r"\[task.kwargs\].latency_ms"),
+        ("rl.pipeline_chunks=0", r"\[rl\].pipeline_chunks must be in \[1, "),
+        (
+            "rl.pipeline_chunks=3",
+            r"\[rl\].pipeline_chunks must be in \[1, \[rl\].problems_per_step = 2",
+        ),
+        ('rl.anchor="behaviour"', r"\[rl\].anchor must be one of"),
+        (
+            "rl.num_microbatches=2 rl.pipeline_chunks=2",
+            r"\[rl\].num_microbatches and \[rl\].pipeline_chunks cannot both",
+        ),
     ],
 )
 def test_async_config_errors_name_the_field(override, message):
     with pytest.raises(ValueError, match=message):
-        load_config(TINY, [override])
+        load_config(TINY, override.split())
 
 
 def test_off_policy_run_keeps_the_bound_and_trains_each_steps_problems(tmp_path):
@@ -538,8 +548,9 @@ def test_an_on_policy_concurrent_run_resumes_bit_exactly(tmp_path):
 
 
 def test_sigkill_and_resume_trains_every_problem_exactly_once(tmp_path):
-    """``O = 1`` with an emulated tool latency, SIGKILLed after a checkpoint while the next step
-    samples, then resumed: the steps' ``data/problems`` are the schedule, each problem once."""
+    """``O = 2`` and ``K = 2`` chunks with an emulated tool latency, SIGKILLed at a random
+    checkpoint while later steps sample, then resumed: the steps' ``data/problems`` are the
+    schedule, each problem once (in-flight work is sampled again)."""
     import os
     import signal
     import subprocess
@@ -566,7 +577,8 @@ def test_sigkill_and_resume_trains_every_problem_exactly_once(tmp_path):
                 *CONCURRENT,
                 "sft.steps=0",
                 f"rl.steps={steps}",
-                "rl.max_off_policy_steps=1",
+                "rl.max_off_policy_steps=2",
+                "rl.pipeline_chunks=2",
                 "task.kwargs.latency_ms=20",
             )
             for a in ("--set", s)
@@ -598,4 +610,186 @@ def test_sigkill_and_resume_trains_every_problem_exactly_once(tmp_path):
     assert [r["step"] for r in rl] == list(range(1, steps + 1))
     trained = [p for r in rl for p in r["data/problems"]]
     assert trained == [f"{s}:{i}" for s in range(1, steps + 1) for i in range(3)]
-    assert all(r["async/version_offset_max"] <= 1 for r in rl)
+    assert all(r["async/version_offset_max"] <= 2 for r in rl)
+    assert all(r["passes/backwards"] == 2 for r in rl)  # two chunks, one pass each
+
+
+# -- pipeline chunks and the anchor ----------------------------------------------------------------
+
+
+#: A task whose untrained policy's group rewards already differ (so GRPO has a gradient).
+GRADED = "tests.test_hosted_tasks:make_graded_task"
+
+
+def _one_step(tmp_path, name, *extra):
+    """One RL step of the tiny config on `GRADED` (4 problems a step): its record and its
+    final weights."""
+    from safetensors.numpy import load_file
+
+    import runner.train as train_mod
+    from runner import checkpoints as ckpt
+
+    cfg = load_config(
+        TINY,
+        [
+            f'run.output_dir="{tmp_path}"',
+            f'run.name="{name}"',
+            "sft.steps=0",
+            "rl.steps=1",
+            "rl.problems_per_step=4",
+            f'task.factory="{GRADED}"',
+            "task.kwargs={}",
+            "checkpoint.interval=1",
+            "checkpoint.save_promotable=true",
+            *extra,
+        ],
+    )
+    result = train_mod.run(cfg, progress=False)
+    (record,) = [r for r in result.metrics if r.get("phase") == "rl"]
+    manifest = ckpt.read_manifest(result.run_dir / "checkpoints", 1)
+    return record, load_file(result.run_dir / manifest["promotable"]["snapshot_path"])
+
+
+def _assert_close_weights(a, b, atol):
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=0, atol=atol, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "setting, path",
+    [
+        (['rl.rollout="lockstep"'], "client"),
+        (['rl.rollout="concurrent"'], "client"),
+        (['rl.rollout="concurrent"', "rl.env_coef=0"], "builtin"),
+    ],
+)
+def test_the_gradient_does_not_depend_on_the_number_of_pipeline_chunks(tmp_path, setting, path):
+    """The same samples trained in ``K = 1`` and ``K = 4`` chunks: the same rewards and
+    problems, ``K`` times the per-chunk passes, and the same weights to float32 rounding (the
+    normalizers span the whole step)."""
+    one, w1 = _one_step(tmp_path, "k1", *setting, "rl.pipeline_chunks=1")
+    four, w4 = _one_step(tmp_path, "k4", *setting, "rl.pipeline_chunks=4")
+    assert one[f"plan/{path}"] == four[f"plan/{path}"] == 1.0
+    assert one["reward"] == four["reward"]
+    assert one.get("data/problems") == four.get("data/problems")
+    for kind in ("forwards", "backwards"):
+        assert four[f"passes/{kind}"] == 4 * one[f"passes/{kind}"]
+    _assert_close_weights(w1, w4, atol=2e-6)
+    assert one["reward_std"] > 0  # the policy term has a gradient: the comparison is not vacuous
+
+
+@pytest.mark.parametrize(
+    "setting, path, extra_forwards",
+    [
+        (["rl.pipeline_chunks=2"], "client", 0),
+        (["rl.env_coef=0", "rl.pipeline_chunks=2"], "builtin", 2),
+    ],
+)
+def test_the_old_policy_anchor_is_one_forward_per_chunk(tmp_path, setting, path, extra_forwards):
+    """``anchor = "old_policy"`` on-policy (``O = 0``): the anchor is the trainer's forward at
+    the weights the step updates, which are the sampler's, so the step equals the sampler-anchored
+    one to float32 rounding; it costs one forward per chunk on the builtin path and none on the
+    client path (the anchor's forward is the client's own)."""
+    concurrent = ['rl.rollout="concurrent"', *setting]
+    sampler, ws = _one_step(tmp_path, "sampler", *concurrent)
+    old, wo = _one_step(tmp_path, "old", *concurrent, 'rl.anchor="old_policy"')
+    assert sampler[f"plan/{path}"] == old[f"plan/{path}"] == 1.0
+    assert old["passes/forwards"] == sampler["passes/forwards"] + extra_forwards
+    assert old["passes/backwards"] == sampler["passes/backwards"]
+    assert old["async/streamed_forwards"] == 1  # the first chunk's, before the last was in
+    assert sampler["async/streamed_forwards"] == 0
+    assert old["reward"] == sampler["reward"] and sampler["reward_std"] > 0
+    # the ratio to the anchor is 1: exactly where the anchor is the client's own forward
+    if path == "client":
+        assert old["grpo/ratio_mean"] == old["grpo/ratio_max"] == 1.0
+    else:
+        assert abs(old["grpo/ratio_max"] - 1.0) < 1e-5
+    _assert_close_weights(ws, wo, atol=2e-5)
+
+
+def test_the_old_policy_anchor_removes_the_staleness_from_the_ratio(tmp_path):
+    """Off-policy (``O = 1``, a tool latency so the next step samples while the trainer
+    trains): with the sampler as anchor the stale tokens' ratios differ from 1; with
+    ``old_policy`` every ratio is exactly 1 (the anchor is the trained policy before its
+    update) and the sampler/old-policy gap is left to the correction terms."""
+    base = [
+        'rl.rollout="concurrent"',
+        "rl.max_off_policy_steps=1",
+        "task.kwargs.latency_ms=20",
+        "rl.steps=3",
+        "checkpoint.interval=0",
+        "sft.steps=0",
+        f'run.output_dir="{tmp_path}"',
+    ]
+    import runner.train as train_mod
+
+    def run(name, *extra):
+        cfg = load_config(TINY, [*base, f'run.name="{name}"', *extra])
+        return [r for r in train_mod.run(cfg, progress=False).metrics if r.get("phase") == "rl"]
+
+    sampler = run("sampler")
+    old = run("old", 'rl.anchor="old_policy"')
+    stale = [r for r in sampler if r["async/version_offset_max"] == 1]
+    assert stale, "no step trained stale tokens"
+    assert any(r["grpo/ratio_max"] != 1.0 for r in stale)
+    assert all(r["grpo/ratio_mean"] == r["grpo/ratio_max"] == 1.0 for r in old)
+    assert any(r["async/version_offset_max"] == 1 for r in old)
+
+
+class _GatedTask:
+    """Every episode of the step's problems but the first waits in its environment until the
+    gate opens (at most 60 s)."""
+
+    def __init__(self, task):
+        self.task, self.gate, self.first, self.timed_out = task, threading.Event(), None, False
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def problems(self, rng, n):
+        out = self.task.problems(rng, n)
+        self.first = out[0]
+        return out
+
+    def make_env(self, problem):
+        env, gated = self.task.make_env(problem), problem is not self.first
+        outer = self
+
+        class Env:
+            def initial_observation(self):
+                return env.initial_observation()
+
+            def step(self, action):
+                if gated and not outer.gate.wait(60):
+                    outer.timed_out = True
+                return env.step(action)
+
+        return Env()
+
+
+def test_a_chunk_is_handed_over_while_the_steps_later_groups_still_sample(tiny):
+    """``collect`` with chunks calls ``on_chunk`` as each chunk completes: the first chunk (one
+    group) arrives while the other groups wait in their environments for a gate that only the
+    callback opens; the chunks are the step's groups in order."""
+    cfg, task, trainer = tiny
+    gated = _GatedTask(task.task)
+    service = RolloutService(
+        cfg, trainer, dataclasses.replace(task, task=gated), first_step=cfg.sft.steps + 1
+    )
+    seen = []
+
+    def on_chunk(groups):
+        seen.append((len(groups), service.controller.in_flight))
+        gated.gate.set()
+
+    try:
+        with pytest.raises(ValueError, match=r"chunk_sizes \[1, 1\] must be positive and sum to 3"):
+            service.collect(cfg.sft.steps + 1, chunk_sizes=[1, 1])
+        got = service.collect(cfg.sft.steps + 1, chunk_sizes=[1, 2], on_chunk=on_chunk)
+    finally:
+        service.close()
+    assert not gated.timed_out
+    assert [n for n, _ in seen] == [1, 2]
+    assert seen[0][1] >= 2 * cfg.rl.group_size  # the other two groups were still in flight
+    assert got.problem_ids == [f"{cfg.sft.steps + 1}:{i}" for i in range(3)]
