@@ -793,3 +793,56 @@ def test_a_chunk_is_handed_over_while_the_steps_later_groups_still_sample(tiny):
     assert [n for n, _ in seen] == [1, 2]
     assert seen[0][1] >= 2 * cfg.rl.group_size  # the other two groups were still in flight
     assert got.problem_ids == [f"{cfg.sft.steps + 1}:{i}" for i in range(3)]
+
+
+def test_the_tinker_backend_overlaps_sampling_and_training_against_the_local_server(tmp_path):
+    """``--backend tinker`` through the real SDK to an in-process ``runner serve``: concurrent
+    rollouts with ``O = 1``, ``K = 2`` chunks and the ``old_policy`` anchor. The hosted sampler
+    gets int32-safe seeds (a concurrent step's seed is not one), later steps sample while the
+    trainer trains (stale tokens, the trainer almost never idle), each step trains the
+    schedule's problems, and a step's passes are two chunks' worth."""
+    pytest.importorskip("tinker")
+    pytest.importorskip("aiohttp")
+    import os
+    import uuid
+
+    from runner import __main__ as cli
+    from runner.serve import ServeConfig, ServerThread, parse_model_flags
+
+    key_env, key = "FOLDLOSS_TEST_ASYNC_TINKER_KEY", f"tml-SENTINEL-{uuid.uuid4().hex}"
+    os.environ[key_env] = key
+    models = parse_model_flags([f"foldloss/tiny={TINY}"])
+    config = ServeConfig(api_key=key, state_dir=str(tmp_path / "state"), long_poll_s=0.5)
+    steps = 3
+    sets = [
+        *CONCURRENT,
+        "sft.steps=0",
+        f"rl.steps={steps}",
+        "rl.max_off_policy_steps=1",
+        "rl.pipeline_chunks=2",
+        'rl.anchor="old_policy"',
+        "task.kwargs.latency_ms=20",
+        "checkpoint.interval=0",
+        "tinker.base_model='foldloss/tiny'",
+        f"tinker.api_key_env='{key_env}'",
+        "tinker.lora_rank=8",
+    ]
+    try:
+        with ServerThread(config, models) as st:
+            args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path / "runs")]
+            args += ["--no-progress", "--backend", "tinker"]
+            for s in [*sets, f"tinker.base_url='{st.url}'"]:
+                args += ["--set", s]
+            assert cli.main(args) == 0
+    finally:
+        del os.environ[key_env]
+    log = (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()
+    rl = [r for r in map(json.loads, log) if r.get("phase") == "rl"]
+    assert [r["step"] for r in rl] == list(range(1, steps + 1))
+    assert [p for r in rl for p in r["data/problems"]] == [
+        f"{s}:{i}" for s in range(1, steps + 1) for i in range(3)
+    ]
+    assert all(r["async/version_offset_max"] <= 1 for r in rl)
+    assert any(r["async/version_offset_max"] == 1 for r in rl[1:])  # sampled during training
+    assert all(r["passes/backwards"] == 2 and r["async/streamed_forwards"] == 1 for r in rl)
+    assert all(abs(r["grpo/ratio_max"] - 1.0) < 1e-5 for r in rl)  # the old-policy anchor

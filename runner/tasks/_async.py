@@ -17,7 +17,9 @@ one event loop that requests its next turn as soon as its environment has answer
   that `stream_key` derives from those four numbers. A backend whose ``sample`` takes ``row_offsets`` (the local trainer:
   a row's completion depends only on the seed, that index, its tokens and the weights) then
   samples exactly the same tokens whatever order the requests arrived in and however they were
-  batched; for other backends a request's index is its position in the call.
+  batched; other backends (hosted, whose wire seeds must fit int32) get a call seed below
+  ``2^19`` drawn from the step's seed and the call's first index and size (`runner._seeds.
+  call_seed`), and a request's index is its position in the call.
 * `run_episode` drives one `runner.tasks.Episode` with the same checks, turn limits and context
   limit as the lock-step rollout, and tags each action with the policy version that sampled it.
 
@@ -34,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from runner._seeds import call_seed
 from runner.tasks._protocol import RecoverableError
 from runner.tasks._rollout import (
     STOP_CONTEXT,
@@ -262,6 +265,8 @@ class SampleBatcher:
         kwargs: dict[str, Any] = {}
         if self.indexed:
             kwargs["row_offsets"] = [k[1] for _, k, _ in items]
+        else:  # a hosted backend numbers the call's rows itself: one seed per distinct call
+            seed = call_seed(seed, min(k[1] for _, k, _ in items), len(items))
         out = self.sampler.sample(
             prompts,
             num_samples=1,
