@@ -288,7 +288,8 @@ def gmpo(
     action tokens and reduced with the per-token weights ``w``: ``L = Σ_i (Σ_t w_it·c_it)·ℓ_i``.
     With ``seq_mean_token_mean`` (default) that is verl's mean over sequences; with ``token_sum``
     each sequence counts ``N_i`` times. The gradient is ``∂L/∂p_t = -(Σ_s w_is·c_is)·Ā_i·ρ_i /
-    N_i`` on tokens whose clip is inactive, exactly 0 where it is active; on-policy (``ρ_i = 1``,
+    N_i`` on tokens whose clip is inactive, exactly 0 where it is active (a log-ratio exactly on
+    a bound included); on-policy (``ρ_i = 1``,
     row-constant ``w``) it is ``-Ā_i·w_it`` for tokens with ``A_t ≠ 0``. Unlike verl, each token's
     log-ratio is clamped to ``±max_log_ratio`` before the mean (NaN safety).
 
@@ -313,10 +314,12 @@ def gmpo(
         dtype = log_ratio.dtype
         m = valid.astype(dtype)
         zero = jnp.zeros((), dtype)
+        # ``where``, not ``minimum``/``maximum``: at a log-ratio exactly on a bound those split
+        # the gradient in half; here the clip holds there (gradient 0, counted in clip_frac).
         x = jnp.where(
             adv > 0,
-            jnp.minimum(log_ratio, eh),
-            jnp.where(adv < 0, jnp.maximum(log_ratio, -el), zero),
+            jnp.where(log_ratio < eh, log_ratio, eh),
+            jnp.where(adv < 0, jnp.where(log_ratio > -el, log_ratio, -el), zero),
         )
         log_rho, n = _row_mean(x, m)
         abar = _row_mean(adv, m)[0]
@@ -324,7 +327,7 @@ def gmpo(
         loss_B1 = -abar * rho
         terms = jnp.broadcast_to(loss_B1, log_ratio.shape)
         lr = jax.lax.stop_gradient(log_ratio)
-        clipped = valid & (((adv > 0) & (lr > eh)) | ((adv < 0) & (lr < -el)))
+        clipped = valid & (((adv > 0) & (lr >= eh)) | ((adv < 0) & (lr <= -el)))
         extra = {"seq_ratio_mean": _active_row_mean(rho, n), "clip_frac": clipped.astype(dtype)}
         return terms, extra
 

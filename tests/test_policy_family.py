@@ -745,3 +745,26 @@ def test_new_twins():
         losses.grpo(delta=1.1),
     ):
         assert losses.builtin_twin(term) is None, term
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_gmpo_holds_a_log_ratio_exactly_on_its_bound(sign):
+    """A token whose log-ratio is exactly ``±ε`` (on the side its advantage clips) gets no
+    gradient and counts as clipped, as the NumPy reference says (``jnp.maximum`` split the
+    gradient in half there: a case hypothesis found)."""
+    lp, old = np.full((1, 6), -1.0), np.full((1, 6), -1.0)
+    # log-ratio p - q = -0.4·sign exactly in float64: on the bound its advantage clips
+    lp[0, 5], old[0, 5] = (-1.0, -0.6) if sign > 0 else (-0.6, -1.0)
+    batch = losses.Batch(
+        action_mask=np.ones((1, 6)),
+        advantages=np.array([-sign]),
+        sampling_logprobs=old,
+        old_logprobs=old,
+    )
+    assert (lp - old)[0, 5] == -sign * 0.4
+    term = losses.gmpo()
+    grad = np.asarray(jax.grad(lambda x: term(x, batch)[0])(jnp.asarray(lp)))
+    ref_value, ref_grad = ref.policy_ref("gmpo", lp, batch)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-12, atol=1e-15)
+    assert grad[0, 5] == 0.0 and np.all(grad[0, :5] != 0.0)
+    assert float(term(jnp.asarray(lp), batch)[1]["clip_frac"]) == pytest.approx(1 / 6)
