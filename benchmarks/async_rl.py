@@ -5,7 +5,14 @@ task) on the local backend, with an emulated tool latency per environment step
 (``[task.kwargs].latency_ms``), side by side in one process:
 
 * ``lockstep`` — today's rollout (turn by turn, environments one after another);
-* ``concurrent`` with ``O = [rl].max_off_policy_steps`` in {0, 1, 2}.
+* ``concurrent`` with ``O = [rl].max_off_policy_steps`` in {0, 1, 2};
+* ``concurrent O=1`` with the ``old_policy`` anchor, and with ``K = 2`` pipeline chunks.
+
+``--backend local`` (default) trains in process; ``--backend tinker`` trains through the real
+Tinker SDK against an in-process ``python -m runner serve`` on loopback (the model of the same
+config), so the hosted path's overlap is measured the same way. ``--plot PATH`` draws the
+training reward against cumulative RL wall-clock time, one line per setting, one panel per
+latency (mean over seeds).
 
 Each setting runs ``--sft-steps`` SFT steps (so the policy calls its tool), then ``--rl-steps``
 RL steps; the per-step time is the median over the RL steps after the first. Every setting runs
@@ -21,6 +28,8 @@ latency 0 and 20 ms, two RL steps; the tests run it).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -40,16 +49,32 @@ SETTINGS = [
     ("concurrent O=0", ['rl.rollout="concurrent"', "rl.max_off_policy_steps=0"]),
     ("concurrent O=1", ['rl.rollout="concurrent"', "rl.max_off_policy_steps=1"]),
     ("concurrent O=2", ['rl.rollout="concurrent"', "rl.max_off_policy_steps=2"]),
+    (
+        "concurrent O=1 old_policy",
+        ['rl.rollout="concurrent"', "rl.max_off_policy_steps=1", 'rl.anchor="old_policy"'],
+    ),
+    (
+        "concurrent O=1 K=2",
+        ['rl.rollout="concurrent"', "rl.max_off_policy_steps=1", "rl.pipeline_chunks=2"],
+    ),
 ]
+#: The Tinker backend's model name on the in-process server and the key's variable.
+TINKER_MODEL, TINKER_KEY_ENV = "foldloss/bench", "FOLDLOSS_BENCH_TINKER_KEY"
 
 
-def _run(config: Path, overrides: list[str], out: Path, name: str) -> dict:
+def _run(config: Path, overrides: list[str], out: Path, name: str, backend: list[str]) -> dict:
     from runner.config import load_config
     from runner.train import run
 
     cfg = load_config(
         config,
-        [*overrides, f'run.output_dir="{out}"', f'run.name="{name}"', "checkpoint.interval=0"],
+        [
+            *overrides,
+            *backend,
+            f'run.output_dir="{out}"',
+            f'run.name="{name}"',
+            "checkpoint.interval=0",
+        ],
     )
     records = run(cfg, progress=False).metrics
     rl = [r for r in records if r.get("phase") == "rl"]
@@ -63,16 +88,74 @@ def _run(config: Path, overrides: list[str], out: Path, name: str) -> dict:
         version_offset_max=max((r.get("async/version_offset_max", 0.0) for r in rl), default=0),
         eval_reward=records[-1].get("eval_reward"),
         reward=[r["reward"] for r in rl],
+        wall_s=[float(t) for t in np.cumsum([r["step_time_s"] for r in rl])],
     )
+
+
+@contextlib.contextmanager
+def _backend(name: str, config: Path, tmp: Path):
+    """The ``--set`` overrides that select the backend (Tinker: a server for the run)."""
+    if name == "local":
+        yield []
+        return
+    import secrets
+
+    from runner.serve import ServeConfig, ServerThread, parse_model_flags
+
+    key = f"tml-{secrets.token_hex(16)}"
+    os.environ[TINKER_KEY_ENV] = key
+    models = parse_model_flags([f"{TINKER_MODEL}={config}"])
+    serve = ServeConfig(api_key=key, state_dir=str(tmp / "serve-state"), long_poll_s=0.5)
+    try:
+        with ServerThread(serve, models) as st:
+            yield [
+                'run.backend="tinker"',
+                f"tinker.base_url='{st.url}'",
+                f"tinker.base_model='{TINKER_MODEL}'",
+                f"tinker.api_key_env='{TINKER_KEY_ENV}'",
+                "tinker.lora_rank=8",
+            ]
+    finally:
+        os.environ.pop(TINKER_KEY_ENV, None)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path:
+    """Training reward against cumulative RL wall time: a line per setting (mean over seeds),
+    a panel per latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    latencies = sorted({r["latency_ms"] for r in rows})
+    fig, axes = plt.subplots(1, len(latencies), figsize=(6 * len(latencies), 4), squeeze=False)
+    for ax, latency in zip(axes[0], latencies, strict=True):
+        for r in (r for r in rows if r["latency_ms"] == latency):
+            wall = np.mean([run["wall_s"] for run in r["runs"]], axis=0)
+            reward = np.mean([run["reward"] for run in r["runs"]], axis=0)
+            ax.plot(wall, reward, marker="o", label=r["setting"])
+        ax.set_title(f"{title}, tool latency {latency:g} ms")
+        ax.set_xlabel("RL wall-clock time (s)")
+        ax.set_ylabel("training reward")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = _common.parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--latencies", default=None, help="comma-separated latency_ms values")
-    p.add_argument("--settings", default=None, help="comma-separated setting indices (0-3)")
+    p.add_argument(
+        "--settings", default=None, help=f"comma-separated setting indices (0-{len(SETTINGS) - 1})"
+    )
     p.add_argument("--sft-steps", type=int, default=None)
     p.add_argument("--rl-steps", type=int, default=None)
     p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--backend", choices=("local", "tinker"), default="local")
+    p.add_argument("--plot", type=Path, default=None, help="reward vs wall-clock PNG")
     p.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,
@@ -97,11 +180,13 @@ def main(argv: list[str] | None = None) -> dict:
     rl = args.rl_steps if args.rl_steps is not None else (2 if args.quick else 4)
     rows = []
     warmup = not args.quick if args.warmup is None else args.warmup
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _backend(args.backend, config, Path(tmp)) as be:
         if warmup:  # compile every sampling shape once (jit caches persist in this process)
             for label, overrides in picked:
                 name = f"warmup_{label.replace(' ', '_').replace('=', '')}"
-                _run(config, [*overrides, f"sft.steps={sft}", f"rl.steps={rl}"], Path(tmp), name)
+                _run(
+                    config, [*overrides, f"sft.steps={sft}", f"rl.steps={rl}"], Path(tmp), name, be
+                )
         for latency in latencies:
             for label, overrides in picked:
                 per_seed = []
@@ -119,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
                             ],
                             Path(tmp),
                             name,
+                            be,
                         )
                     )
                 rewards = [r["eval_reward"] for r in per_seed if r["eval_reward"] is not None]
@@ -140,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         r["vs_lockstep"] = ref / r["step_time_s"] if ref else None
         r["vs_O0"] = r["step_time_s"] / o0 if o0 else None
     table = _common.table(
-        "Asynchronous RL: seconds per RL step (median after the first)",
+        f"Asynchronous RL ({args.backend} backend): seconds per RL step (median after the first)",
         [
             "latency ms",
             "rollout",
@@ -176,10 +262,13 @@ def main(argv: list[str] | None = None) -> dict:
             sft_steps=sft,
             rl_steps=rl,
             seeds=args.seeds,
+            backend=args.backend,
         ),
         result=dict(rows=rows),
         markdown=table,
     )
+    if args.plot is not None:
+        payload["plot"] = str(plot(rows, args.plot, args.backend))
     _common.write_json(args.out, payload)
     return payload
 

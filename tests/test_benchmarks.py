@@ -332,3 +332,24 @@ def test_hf_logprobs_memory_quick_reports_both_heads_bounded(tmp_path):
             assert r["temp_vs_materialized"] < 0.5, r
             assert r["fused_temp_vs_materialized"] < 0.5, r
     assert "fused head temp MiB" in data["markdown"]
+
+
+def test_async_rl_quick_on_the_tinker_backend_with_a_plot(tmp_path):
+    """``benchmarks/async_rl.py --quick`` through the real Tinker SDK to an in-process server,
+    two settings at a 20 ms tool latency: a row per setting, the O=1 step sampled while the
+    trainer trained (offset 1), and a reward-vs-wall-clock PNG."""
+    pytest.importorskip("tinker")
+    out, png = tmp_path / "async_rl.json", tmp_path / "async_rl.png"
+    data = load("async_rl").main(
+        ["--quick", "--backend", "tinker", "--settings", "1,2", "--latencies", "20"]
+        + ["--out", str(out), "--plot", str(png)]
+    )
+    assert read_json(out)["config"]["backend"] == "tinker"
+    rows = data["result"]["rows"]
+    assert [r["setting"] for r in rows] == ["concurrent O=0", "concurrent O=1"]
+    assert [r["version_offset_max"] for r in rows] == [0, 1]
+    for r in rows:
+        (run,) = r["runs"]
+        assert len(run["wall_s"]) == len(run["reward"]) == 2
+        assert run["wall_s"][0] < run["wall_s"][1]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
