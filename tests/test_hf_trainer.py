@@ -6,6 +6,7 @@ and a KL reference.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -122,6 +123,44 @@ def test_sampling_logprobs_equal_the_forward(ckpt_dir):
 
     z = np.asarray(logits(DEC, jax.device_get(t.params), full[None]))[0]
     assert list(np.argmax(z[2:], -1)) == list(greedy.tokens)
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_is_never_sampled(ckpt_dir, tmp_path):
+    """Issue #23 item 5: a checkpoint whose embedding has more rows than its own tokenizer has
+    ids (Qwen3's padding) sampled ids the tokenizer could not decode, mid-run. The config of
+    such a pair limits sampling to the tokenizer's ids; the logprobs are the forward's,
+    renormalised over those ids."""
+    allowed = V - 20
+    m = model_config(tmp_path, f'model.path="{ckpt_dir}"')
+    cfg = local_trainer_config(m, vocab_size=allowed, seed=0, checkpoint_dir=None)
+    assert cfg.sample_vocab_size == allowed
+    assert (
+        local_trainer_config(m, vocab_size=V, seed=0, checkpoint_dir=None).sample_vocab_size is None
+    )
+    prompts = [[1, 5, 9], [3]]
+    kwargs = dict(num_samples=8, max_tokens=12, seed=4, temperature=3.0)
+    free = LocalTrainer(dataclasses.replace(cfg, sample_vocab_size=None)).sample(prompts, **kwargs)
+    assert max(max(s.tokens) for r in free for s in r) >= allowed  # the attack reproduces
+    t = LocalTrainer(cfg)
+    for temperature in (3.0, 0.0):
+        out = t.sample(prompts, **{**kwargs, "temperature": temperature})
+        assert max(max(s.tokens) for r in out for s in r) < allowed
+    for prompt, samples in zip(
+        prompts, t.sample(prompts, **{**kwargs, "temperature": 1.0}), strict=True
+    ):
+        for s in samples:
+            full = np.concatenate([prompt, s.tokens])
+            z = np.asarray(models.logits(DEC, jax.device_get(t.params), full[None, :-1]))[
+                0, len(prompt) - 1 :, :allowed
+            ].astype(np.float64)
+            want = (
+                np.take_along_axis(z, np.asarray(s.tokens)[:, None], -1)[:, 0]
+                - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1))
+                - z.max(-1)
+            )
+            np.testing.assert_allclose(s.logprobs, want, atol=2e-5)
+    with pytest.raises(ValueError, match=r"sample_vocab_size must be None or an int in \[2"):
+        dataclasses.replace(cfg, sample_vocab_size=V + 1)
 
 
 def test_resumable_state_round_trips_and_checks_the_model(ckpt_dir, tmp_path):

@@ -132,6 +132,9 @@ def local_trainer_config(
             checkpoint_dir=checkpoint_dir,
             logprob_chunk=chunk,
             unroll_layers=bool(getattr(m, "unroll_layers", False)),
+            # a checkpoint's embedding padded past its tokenizer's ids (Qwen3's): never sample
+            # an id the tokenizer cannot decode
+            sample_vocab_size=vocab_size if decoder.vocab_size > vocab_size else None,
         )
     except ValueError as exc:
         raise ValueError(f"config [model]: {exc}") from None

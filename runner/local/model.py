@@ -66,6 +66,12 @@ class LocalTrainerConfig:
         ``LocalTrainer(config)`` rebuilds the same model from the config alone.
       unroll_layers: unroll the decoder's layer loop instead of scanning it (decoders only; on
         CPU about as fast forward + backward as the scan, compile time grows with depth).
+      sample_vocab_size: `LocalTrainer.sample` draws ids in ``[0, sample_vocab_size)`` only
+        (``None``: every id). A checkpoint whose embedding is padded past its tokenizer's ids
+        (Qwen3: 151936 rows, 151669 ids) sets it to the tokenizer's size, so that no sampled id
+        is one the tokenizer cannot decode; sampling logprobs are then normalised over the
+        allowed ids (``forward`` still scores every id, so a token's sampling and trainer
+        logprobs differ by the probability mass of the padded ids, ``-log(1 - p_pad)``).
     """
 
     vocab_size: int = 64
@@ -84,11 +90,23 @@ class LocalTrainerConfig:
     logprob_chunk: int | None = None
     pretrained: str | None = None
     unroll_layers: bool = False
+    sample_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.decoder is not None:
             self._check_decoder()
-            return
+        else:
+            self._check_gpt2()
+        s = self.sample_vocab_size
+        if s is not None and (
+            isinstance(s, bool) or not isinstance(s, int) or not 2 <= s <= self.vocab_size
+        ):
+            raise ValueError(
+                f"LocalTrainerConfig.sample_vocab_size must be None or an int in [2, vocab_size="
+                f"{self.vocab_size}], got {s!r}"
+            )
+
+    def _check_gpt2(self) -> None:
         if self.lora is not None:
             raise ValueError(
                 "LocalTrainerConfig.lora needs a decoder (Llama / Qwen): the GPT-2-style default "

@@ -42,6 +42,7 @@ def generate(
     n_heads: int | None = None,
     arch=None,
     frozen=None,
+    sample_vocab: int | None = None,
 ):
     """Samples up to ``max_tokens`` tokens per row; returns ``(tokens, logprobs, n, stopped)``.
 
@@ -61,6 +62,8 @@ def generate(
       arch: the model (`runner.local.models.Gpt2Arch` or ``DecoderArch``); its ``prefill`` and
         ``decode_step`` run the model.
       frozen: the model's frozen parameters (the LoRA base; ``{}`` or ``None`` otherwise).
+      sample_vocab: static; draw only ids ``< sample_vocab`` (the others get ``-inf`` logits
+        before the temperature, the softmax and the argmax); ``None``: every id.
 
     Returns:
       ``tokens[R, cache_len]`` int, ``logprobs[R, cache_len]`` float (column ``i`` = step ``i``),
@@ -80,6 +83,9 @@ def generate(
     inv_temp = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature)).astype(last.dtype)
 
     def draw(logits_RV, i):
+        if sample_vocab is not None and sample_vocab < logits_RV.shape[-1]:
+            allowed = jnp.arange(logits_RV.shape[-1]) < sample_vocab
+            logits_RV = jnp.where(allowed, logits_RV, -jnp.inf)
         scaled = logits_RV * inv_temp
         logp = jax.nn.log_softmax(scaled, axis=-1)
         step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(row_keys)

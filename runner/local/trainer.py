@@ -244,10 +244,19 @@ def _optim_step_jit(dtype_name: str, rep: NamedSharding):
 
 
 @functools.lru_cache(maxsize=kernels.JIT_CACHE_SIZE)
-def _sample_jit(cache_len: int, arch: Gpt2Arch | DecoderArch, rows: NamedSharding):
+def _sample_jit(
+    cache_len: int, arch: Gpt2Arch | DecoderArch, rows: NamedSharding, sample_vocab: int | None
+):
     def sample(params, frozen, *args):
         TRACE_COUNTS["sample"] += 1
-        return sampling.generate(params, *args, cache_len=cache_len, arch=arch, frozen=frozen)
+        return sampling.generate(
+            params,
+            *args,
+            cache_len=cache_len,
+            arch=arch,
+            frozen=frozen,
+            sample_vocab=sample_vocab,
+        )
 
     return jax.jit(sample, out_shardings=rows)
 
@@ -744,7 +753,7 @@ class LocalTrainer:
             n_stop *= 2
         stop_arr = np.full((n_stop,), -1, np.int32)
         stop_arr[: len(stops)] = stops
-        fn = _sample_jit(cache_len, self.arch, self._rows)
+        fn = _sample_jit(cache_len, self.arch, self._rows, cfg.sample_vocab_size)
         put = self._put_rows
         out_tok, out_lp, n_gen, stopped = fn(
             self._params,
