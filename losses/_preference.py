@@ -37,7 +37,8 @@ OpenRLHF ``openrlhf/models/loss.py`` (``DPOLoss``); fw-ai/cookbook ``training/ut
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,24 +48,6 @@ from losses._batch import Batch, Term, check_logprobs_shape, count, require
 from losses._common import check_choice, check_number, safe
 from losses._reductions import num_rows as _num_rows
 
-#: The TRL ``DPOConfig.loss_type`` values `dpo` implements (docs/sources.md#preference-terms).
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "robust",
-    "exo_pair",
-    "bco_pair",
-    "sppo_hard",
-    "nca_pair",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sigmoid_norm",
-    "sft",
-)
 #: The TRL ``CPOConfig.loss_type`` values `cpo` implements.
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 #: The TRL ``KTOConfig.loss_type`` values `kto` implements.
@@ -80,8 +63,6 @@ _DPO_SMOOTHING = {
     "aot_unpaired": (0.0, 0.5, ""),
 }
 _CPO_SMOOTHING = {"sigmoid": (0.0, 0.5, ""), "simpo": (0.0, 0.5, "")}
-#: Loss types whose per-pair loss uses mean token logprobs (TRL averages per token for these).
-_DPO_AVERAGED = ("ipo", "sigmoid_norm")
 _CPO_AVERAGED = ("ipo", "simpo")
 DEFAULT_DISCOPOP_TAU = 0.05
 DEFAULT_SIMPO_GAMMA = 0.5
@@ -237,6 +218,84 @@ def _sorted_difference(u: jax.Array, v: jax.Array, ok: jax.Array):
     vs = jnp.sort(jnp.where(ok, v, big))
     pos_ok = jnp.arange(u.shape[0]) < jnp.sum(ok)
     return safe(us, pos_ok) - safe(vs, pos_ok), pos_ok
+
+
+class _Pair(NamedTuple):
+    """What a DPO per-pair loss reads (`dpo`'s notation): the pair sums ``st`` (``s_c``,
+    ``s_r``, ``r_c``, ``r_r``, ``n_c``, ``n_r``, ``ok``), ``c = S_c − R_c``, ``rho = S_r − R_r``,
+    ``x = β·(c − ρ)`` and the hyperparameters β, ε (``label_smoothing``) and τ
+    (``discopop_tau``)."""
+
+    st: dict
+    c: jax.Array
+    rho: jax.Array
+    x: jax.Array
+    beta: float
+    eps: float
+    tau: float
+
+    @property
+    def half(self) -> float:
+        return 1.0 / (2.0 * self.beta)
+
+    @property
+    def bar(self) -> jax.Array:
+        """The length-averaged margin ``Δ̄ = c/N_c − ρ/N_r`` (TRL averages per token for
+        ``ipo`` and ``sigmoid_norm``)."""
+        return self.c / self.st["n_c"] - self.rho / self.st["n_r"]
+
+
+def _robust(p: _Pair) -> jax.Array:
+    x, eps = p.x, p.eps
+    return (-(1.0 - eps) * jax.nn.log_sigmoid(x) + eps * jax.nn.log_sigmoid(-x)) / (1.0 - 2.0 * eps)
+
+
+def _exo_pair(p: _Pair) -> jax.Array:
+    x, eps = p.x, p.eps
+    return jax.nn.sigmoid(x) * (jax.nn.log_sigmoid(x) - math.log1p(-eps)) + jax.nn.sigmoid(-x) * (
+        jax.nn.log_sigmoid(-x) - math.log(eps)
+    )
+
+
+def _nca_pair(p: _Pair) -> jax.Array:
+    bc, br = p.beta * p.c, p.beta * p.rho
+    return -jax.nn.log_sigmoid(bc) - 0.5 * jax.nn.log_sigmoid(-bc) - 0.5 * jax.nn.log_sigmoid(-br)
+
+
+def _aot(u: jax.Array, v: jax.Array, p: _Pair):
+    d, on_sorted = _sorted_difference(u, v, p.st["ok"])
+    return _cdpo(p.beta * d, p.eps), on_sorted
+
+
+def _discopop(p: _Pair) -> jax.Array:
+    # e^{−x}·σ(x/τ) = exp(−x + logσ(x/τ)): no inf·0 when x is very negative.
+    x, tau = p.x, p.tau
+    return -jax.nn.log_sigmoid(x) * jax.nn.sigmoid(-x / tau) + jnp.exp(
+        -x + jax.nn.log_sigmoid(x / tau)
+    )
+
+
+#: `dpo`'s per-pair losses by TRL ``DPOConfig.loss_type``: ``f(pair) -> loss[P]``, or
+#: ``(loss[P], on_sorted)`` for the types that sort over the call's pairs (``aot``).
+_DPO_PAIR_LOSSES: dict[str, Callable[[_Pair], Any]] = {
+    "sigmoid": lambda p: _cdpo(p.x, p.eps),
+    "hinge": lambda p: jax.nn.relu(1.0 - p.x),
+    "ipo": lambda p: jnp.square(p.bar - p.half),
+    "robust": _robust,
+    "exo_pair": _exo_pair,
+    "bco_pair": lambda p: -jax.nn.log_sigmoid(p.beta * p.c) - jax.nn.log_sigmoid(-p.beta * p.rho),
+    "sppo_hard": lambda p: jnp.square(p.c - p.half) + jnp.square(p.rho + p.half),
+    "nca_pair": _nca_pair,
+    "aot": lambda p: _aot(p.st["s_c"] - p.st["s_r"], p.st["r_c"] - p.st["r_r"], p),
+    "aot_unpaired": lambda p: _aot(p.c, p.rho, p),
+    "apo_zero": lambda p: 1.0 - jax.nn.sigmoid(p.beta * p.c) + jax.nn.sigmoid(p.beta * p.rho),
+    "apo_down": lambda p: jax.nn.sigmoid(p.beta * p.c) + 1.0 - jax.nn.sigmoid(p.x),
+    "discopop": _discopop,
+    "sigmoid_norm": lambda p: -jax.nn.log_sigmoid(p.beta * p.bar),
+    "sft": lambda p: -p.st["s_c"] / p.st["n_c"],
+}
+#: The TRL ``DPOConfig.loss_type`` values `dpo` implements (docs/sources.md#preference-terms).
+DPO_LOSS_TYPES = tuple(_DPO_PAIR_LOSSES)
 
 
 def _pair_metrics(dtype, ok, reward_c, reward_r, s_c, s_r) -> dict[str, jax.Array]:
@@ -399,62 +458,13 @@ def dpo(
     tau = check_number(where, "discopop_tau", discopop_tau, low=0.0, low_open=True)
     if loss_type != "discopop":
         _check_unused(where, "discopop_tau", tau, DEFAULT_DISCOPOP_TAU, "discopop", loss_type)
-    half = 1.0 / (2.0 * beta)
+    pair_loss = _DPO_PAIR_LOSSES[loss_type]
 
     def per_pair(st):
         c = st["s_c"] - st["r_c"]
         rho = st["s_r"] - st["r_r"]
-        x = beta * (c - rho)
-        bar: Any = None  # the length-averaged margin of the _DPO_AVERAGED types
-        if loss_type in _DPO_AVERAGED:
-            bar = c / st["n_c"] - rho / st["n_r"]
-        on_sorted = None
-        if loss_type == "sigmoid":
-            loss = _cdpo(x, eps)
-        elif loss_type == "hinge":
-            loss = jax.nn.relu(1.0 - x)
-        elif loss_type == "ipo":
-            loss = jnp.square(bar - half)
-        elif loss_type == "robust":
-            loss = (-(1.0 - eps) * jax.nn.log_sigmoid(x) + eps * jax.nn.log_sigmoid(-x)) / (
-                1.0 - 2.0 * eps
-            )
-        elif loss_type == "exo_pair":
-            loss = jax.nn.sigmoid(x) * (jax.nn.log_sigmoid(x) - math.log1p(-eps)) + jax.nn.sigmoid(
-                -x
-            ) * (jax.nn.log_sigmoid(-x) - math.log(eps))
-        elif loss_type == "bco_pair":
-            loss = -jax.nn.log_sigmoid(beta * c) - jax.nn.log_sigmoid(-beta * rho)
-        elif loss_type == "sppo_hard":
-            loss = jnp.square(c - half) + jnp.square(rho + half)
-        elif loss_type == "nca_pair":
-            loss = (
-                -jax.nn.log_sigmoid(beta * c)
-                - 0.5 * jax.nn.log_sigmoid(-beta * c)
-                - 0.5 * jax.nn.log_sigmoid(-beta * rho)
-            )
-        elif loss_type in ("aot", "aot_unpaired"):
-            if loss_type == "aot":
-                u, v = st["s_c"] - st["s_r"], st["r_c"] - st["r_r"]
-            else:
-                u, v = c, rho
-            d, on_sorted = _sorted_difference(u, v, st["ok"])
-            loss = _cdpo(beta * d, eps)
-        elif loss_type == "apo_zero":
-            loss = 1.0 - jax.nn.sigmoid(beta * c) + jax.nn.sigmoid(beta * rho)
-        elif loss_type == "apo_down":
-            loss = jax.nn.sigmoid(beta * c) + 1.0 - jax.nn.sigmoid(x)
-        elif loss_type == "discopop":
-            # e^{−x}·σ(x/τ) = exp(−x + logσ(x/τ)): no inf·0 when x is very negative.
-            loss = -jax.nn.log_sigmoid(x) * jax.nn.sigmoid(-x / tau) + jnp.exp(
-                -x + jax.nn.log_sigmoid(x / tau)
-            )
-        elif loss_type == "sigmoid_norm":
-            loss = -jax.nn.log_sigmoid(beta * bar)
-        elif loss_type == "sft":
-            loss = -st["s_c"] / st["n_c"]
-        else:  # pragma: no cover - validated above
-            raise ValueError(loss_type)
+        out = pair_loss(_Pair(st, c, rho, beta * (c - rho), beta, eps, tau))
+        loss, on_sorted = out if isinstance(out, tuple) else (out, None)
         return loss, on_sorted, beta * c, beta * rho, {}
 
     return _pair_term(

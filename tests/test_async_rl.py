@@ -836,7 +836,16 @@ def test_the_tinker_backend_overlaps_sampling_and_training_against_the_local_ser
             assert cli.main(args) == 0
     finally:
         del os.environ[key_env]
-    log = (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()
+    rl = _overlapped_rl_steps(tmp_path / "runs" / "tiny", steps, streamed_forwards=1)
+    assert all(abs(r["grpo/ratio_max"] - 1.0) < 1e-5 for r in rl)  # the old-policy anchor
+
+
+def _overlapped_rl_steps(run_dir: Path, steps: int, *, streamed_forwards: int) -> list[dict]:
+    """The RL records of a hosted ``O = 1``, ``K = 2`` run of 3 problems a step, checked: every
+    step trains its schedule's problems, no token is staler than 1, later steps sampled while
+    the trainer trained, and each step is two chunks of passes (with ``streamed_forwards``
+    token-only forwards a step: 1 with the old-policy anchor, 0 on the client path without)."""
+    log = (run_dir / "metrics.jsonl").read_text().splitlines()
     rl = [r for r in map(json.loads, log) if r.get("phase") == "rl"]
     assert [r["step"] for r in rl] == list(range(1, steps + 1))
     assert [p for r in rl for p in r["data/problems"]] == [
@@ -844,5 +853,51 @@ def test_the_tinker_backend_overlaps_sampling_and_training_against_the_local_ser
     ]
     assert all(r["async/version_offset_max"] <= 1 for r in rl)
     assert any(r["async/version_offset_max"] == 1 for r in rl[1:])  # sampled during training
-    assert all(r["passes/backwards"] == 2 and r["async/streamed_forwards"] == 1 for r in rl)
-    assert all(abs(r["grpo/ratio_max"] - 1.0) < 1e-5 for r in rl)  # the old-policy anchor
+    assert all(r["passes/backwards"] == 2 for r in rl)
+    assert all(r["async/streamed_forwards"] == streamed_forwards for r in rl)
+    return rl
+
+
+def test_the_fireworks_backend_overlaps_sampling_and_training_against_the_local_server(
+    tmp_path, monkeypatch
+):
+    """``--backend fireworks`` through the real Fireworks SDK to an in-process ``runner serve``
+    (its control plane provisions the trainer and the hot-load deployment): concurrent rollouts
+    with ``O = 1`` and ``K = 2`` sample through the deployment while the trainer trains, with
+    int32-safe seeds, and train each step's scheduled problems."""
+    pytest.importorskip("fireworks")
+    pytest.importorskip("aiohttp")
+    import uuid
+
+    from runner import __main__ as cli
+    from runner.serve import ServeConfig, ServerThread, parse_model_flags
+    from tests.wire_helpers import no_control_plane_waits
+
+    base = "accounts/fireworks/models/qwen3-8b"
+    key_env, key = "FOLDLOSS_TEST_ASYNC_FIREWORKS_KEY", f"fw-SENTINEL-{uuid.uuid4().hex}"
+    monkeypatch.setenv(key_env, key)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    no_control_plane_waits(monkeypatch)
+    models = parse_model_flags([f"{base}={TINY}"])
+    config = ServeConfig(api_key=key, state_dir=str(tmp_path / "state"), long_poll_s=0.5)
+    steps = 3
+    sets = [
+        *CONCURRENT,
+        "sft.steps=0",
+        f"rl.steps={steps}",
+        "rl.max_off_policy_steps=1",
+        "rl.pipeline_chunks=2",
+        "task.kwargs.latency_ms=20",
+        "checkpoint.interval=0",
+        f"fireworks.base_model='{base}'",
+        "fireworks.training_shape_id='accounts/fireworks/trainingShapes/ts-qwen3-8b-policy'",
+        f"fireworks.api_key_env='{key_env}'",
+    ]
+    with ServerThread(config, models) as st:
+        args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path / "runs")]
+        args += ["--no-progress", "--backend", "fireworks"]
+        for s in [*sets, f"fireworks.base_url='{st.url}'"]:
+            args += ["--set", s]
+        assert cli.main(args) == 0
+    rl = _overlapped_rl_steps(tmp_path / "runs" / "tiny", steps, streamed_forwards=0)
+    assert all(r["passes/forwards"] == 4 for r in rl)  # 2 forwards a chunk (client path)
