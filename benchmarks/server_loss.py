@@ -6,8 +6,15 @@ the RL loss as a server-side custom loss (``rl.mode = "auto"``: GRPO + ECHO deco
 Side by side in one run, against one ``python -m runner serve`` process: one untimed warm-up run
 of each mode (the persistent JAX compilation cache, the server's jit caches), then the timed runs
 alternate. Reports the median wall time of each mode and their ratio (target: server ≤ 0.8×
-client), the passes per RL step from the metrics, and whether the per-step rewards of the two
-modes agree to float32 rounding.
+client), the median RL step (``step_time_s``) and its trainer share (``time/train_s``: gradient
+passes + optimizer step) of each, the passes per RL step from the metrics, and whether the
+per-step rewards of the two modes agree to float32 rounding.
+
+The floor: a server pass is 1 forward + 1 backward, the work of a builtin kernel's
+``forward_backward``, so it cannot take less trainer time than the builtin ``ppo`` kernel's step
+(a third, ``--env-coef 0`` run in the same loop, GRPO alone on that kernel). With the rest of
+the RL step (sampling, rollouts, rewards) as the client path's, the best RL-step ratio a server
+pass can reach is ``(client step − client train + builtin train) / client step``.
 
 Run: ``python benchmarks/server_loss.py [--quick] [--out PATH]`` (``--quick``: the tiny config,
 one timed run each; otherwise examples/default.toml with 20 SFT + 20 RL steps, two timed runs
@@ -35,6 +42,8 @@ import wire_overhead as wire  # noqa: E402
 NAME = "server_loss"
 ROOT = _common.ROOT
 MODES = ("auto", "client")
+#: The floor's run: GRPO alone on the builtin ``ppo`` kernel (1 forward + 1 backward a step).
+FLOOR = ["--env-coef", "0", "--set", "rl.mode='builtin'"]
 
 
 def _records(out: Path) -> dict[int, dict]:
@@ -60,25 +69,35 @@ def main(argv: list[str] | None = None) -> dict:
     key = f"tml-bench-{uuid.uuid4().hex}"
     walls: dict[str, list[float]] = {m: [] for m in MODES}
     rl: dict[str, list[dict]] = {}
+    per_step: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         env = wire._env(tmp / "jax-cache", key)
         server, url = wire._start_server(config, tmp / "state", env, tmp / "server.log")
         try:
             for i in range(runs + 1):  # run 0: the untimed warm-up of each mode
-                for mode in MODES:
+                for mode in (*MODES, "builtin"):
                     out = tmp / f"runs-{mode}-{i}"
                     out.mkdir()
-                    extra = [*steps, "--set", f"rl.mode='{mode}'"]
-                    wall = wire._train("tinker", config, extra, out, env, url)
+                    sets = FLOOR if mode == "builtin" else ["--set", f"rl.mode='{mode}'"]
+                    wall = wire._train("tinker", config, [*steps, *sets], out, env, url)
+                    records = _rl(_records(out))
                     if i:
-                        walls[mode].append(wall)
-                    rl[mode] = _rl(_records(out))
+                        walls.setdefault(mode, []).append(wall)
+                        for key in ("step_time_s", "time/train_s"):
+                            # the first RL step compiles the step's shapes: not timed
+                            per_step.setdefault((mode, key), []).extend(r[key] for r in records[1:])
+                    if mode != "builtin":
+                        rl[mode] = records
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=60)
     server_s, client_s = _common.median(walls["auto"]), _common.median(walls["client"])
     ratio = server_s / client_s
+    step = {m: _common.median(per_step[m, "step_time_s"]) for m in (*MODES, "builtin")}
+    train = {m: _common.median(per_step[m, "time/train_s"]) for m in (*MODES, "builtin")}
+    step_ratio = step["auto"] / step["client"]
+    floor = (step["client"] - train["client"] + train["builtin"]) / step["client"]
     rewards = {m: np.array([r["reward"] for r in rl[m]], np.float32) for m in MODES}
     same_rewards = bool(
         rewards["auto"].shape == rewards["client"].shape
@@ -105,10 +124,29 @@ def main(argv: list[str] | None = None) -> dict:
             ]
         ],
     )
-    table += (
-        f"\n\nPer-step rewards over {len(rewards['auto'])} RL steps equal to float32 rounding: "
+    table += "\n\n" + _common.table(
+        "Per RL step (median over the timed runs' RL steps after the first, seconds)",
+        ["mode", "RL step", "trainer (passes + optim)", "F+B"],
+        [
+            ["server pass (auto)", step["auto"], train["auto"], "1+1"],
+            ["client path", step["client"], train["client"], "2+1"],
+            [
+                "builtin ppo, --env-coef 0 (the floor's trainer time)",
+                step["builtin"],
+                train["builtin"],
+                "1+1",
+            ],
+        ],
+    )
+    notes = (
+        f"RL step: server / client {step_ratio:.3f}, trainer time "
+        f"{train['auto'] / train['client']:.3f}; the floor of the RL-step ratio (a server pass as "
+        f"cheap as the builtin kernel's step) {floor:.3f}.\n"
+        f"Per-step rewards over {len(rewards['auto'])} RL steps equal to float32 rounding: "
         f"{same_rewards} (max |diff| {max_diff})"
     )
+    print(notes)
+    table += "\n\n" + notes
     payload = dict(
         benchmark=NAME,
         command=_common.command(argv, NAME),
@@ -119,6 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
             server_s=server_s,
             client_s=client_s,
             ratio=ratio,
+            rl_step_s=step,
+            train_s=train,
+            rl_step_ratio=step_ratio,
+            train_ratio=train["auto"] / train["client"],
+            rl_step_floor_ratio=floor,
             target_ratio=0.8,
             met=ratio <= 0.8,
             passes=passes,

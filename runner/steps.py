@@ -12,6 +12,7 @@ Every random choice of step ``k`` is drawn from ``(seed, k)``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -229,6 +230,7 @@ def rl_step(
             start += size
     seqs, rewards = rl_seqs(cfg, groups)
     seqs = forwards.attach(seqs)
+    started = time.perf_counter()
     metrics = runner.step(
         trainer,
         seqs,
@@ -237,6 +239,9 @@ def rl_step(
         slices=forwards.slices(),
         forward=forwards.old or None,
     )
+    # the trainer's share of the step: its gradient passes and optimizer step (not sampling,
+    # rewards or the chunks' streamed forwards)
+    metrics["time/train_s"] = time.perf_counter() - started
     metrics["passes/forwards"] += forwards.passes
     if rollouts is not None:
         metrics.update(rollouts.published(collected))
