@@ -358,9 +358,10 @@ def _named(name: str, params: Sequence[str], impl: Any):
     return namespace[name]
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)
 def compiled(term: Any, fields: tuple[str, ...], constants: tuple[str, ...]) -> CompiledTerm:
-    """`CompiledTerm`, cached per (term, fields, constants)."""
+    """`CompiledTerm`, cached per (term, fields, constants) — the 64 most recent, so that a
+    long-lived process that builds many terms does not keep every program."""
     return CompiledTerm(term, fields, constants)
 
 
