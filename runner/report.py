@@ -220,6 +220,10 @@ CURVES: tuple[Curve, ...] = (
 
 SMOOTH_WINDOW = 9
 MARKERS_UP_TO = 30
+#: Run ``i`` draws with ``LINESTYLES[i]`` and, where points are few, ``MARKERS[i]`` (hollow and
+#: larger after the first run), so that runs with equal values stay distinguishable.
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D")
 
 
 def _moving_average(ys: Sequence[float], window: int) -> list[float]:
@@ -260,14 +264,30 @@ def write_comparison(runs: Sequence[tuple[str, Sequence[Record]]], path: Path) -
             if not xs:
                 continue
             values.extend(ys)
-            color = colors[i % len(colors)]
+            color, line = colors[i % len(colors)], LINESTYLES[i % len(LINESTYLES)]
             if curve.smooth and len(xs) > SMOOTH_WINDOW:
                 ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
-                ax.plot(xs, _moving_average(ys, SMOOTH_WINDOW), color=color, linewidth=1.8)
+                ax.plot(
+                    xs,
+                    _moving_average(ys, SMOOTH_WINDOW),
+                    color=color,
+                    linestyle=line,
+                    linewidth=1.8,
+                )
                 smoothed = True
             else:  # markers where the points are few (evaluations, short runs)
-                style = "o-" if len(xs) <= MARKERS_UP_TO else "-"
-                ax.plot(xs, ys, style, color=color, markersize=4, linewidth=1.5)
+                few = len(xs) <= MARKERS_UP_TO
+                ax.plot(
+                    xs,
+                    ys,
+                    color=color,
+                    linestyle=line,
+                    linewidth=1.5,
+                    # a later run's hollow, larger marker leaves an equal earlier point visible
+                    marker=MARKERS[i % len(MARKERS)] if few else None,
+                    markersize=4 + 2 * (i % len(MARKERS)),
+                    markerfacecolor=color if i % len(MARKERS) == 0 else "none",
+                )
         if not any(values):  # say it: a flat line at 0 reads like a missing curve
             ax.text(
                 0.5,
@@ -286,7 +306,14 @@ def write_comparison(runs: Sequence[tuple[str, Sequence[Record]]], path: Path) -
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     handles = [
-        Line2D([], [], color=colors[i % len(colors)], linewidth=2.5, label=name)
+        Line2D(
+            [],
+            [],
+            color=colors[i % len(colors)],
+            linestyle=LINESTYLES[i % len(LINESTYLES)],
+            linewidth=2.5,
+            label=name,
+        )
         for i, (name, _) in enumerate(runs)
     ]
     if smoothed:

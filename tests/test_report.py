@@ -106,3 +106,28 @@ def test_report_errors_name_the_file_and_line(runs, capsys):
     assert main(["report", str(runs / "echo")]) == 2
     err = capsys.readouterr().err
     assert f"{path}:44" in err and err.count("\n") == 1
+
+
+def test_runs_with_equal_values_stay_distinguishable(runs, monkeypatch):
+    """Two runs with the same held-out rewards (the default run and ``--env-coef 0`` share their
+    SFT phase and may end equal) drew one line over the other; each run now has its own line
+    style, and a later run's markers are hollow, so the earlier line shows through."""
+    import matplotlib.axes
+
+    from runner.report import write_comparison
+
+    calls = []
+    plot = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs)
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    records = read_records(runs / "echo")
+    write_comparison([("a", records), ("b", records)], runs / "same.png")
+    held = [kw for kw in calls if kw.get("marker")]  # the held-out rewards: 3 points a run
+    by_style = {(kw["linestyle"], kw["marker"], kw["markerfacecolor"] == "none") for kw in held}
+    assert len(held) == 2 and len(by_style) == 2, held
+    smoothed = [kw for kw in calls if kw.get("linewidth") == 1.8]
+    assert {kw["linestyle"] for kw in smoothed} == {"-", "--"}
