@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from runner._atomic import is_disk_full
+from runner.backends import NAMES
 from runner.checkpoints import CheckpointError, latest_step
 from runner.config import load_config
 
@@ -21,7 +22,7 @@ KEY_FLAGS: tuple[tuple[str, str, dict], ...] = (
     (
         "--backend",
         "run.backend",
-        dict(choices=("local", "fireworks", "tinker"), help="trainer backend (default: local)"),
+        dict(choices=NAMES, help="trainer backend (default: local)"),
     ),
     ("--name", "run.name", dict(help="run name: outputs go to <output_dir>/<name>")),
     ("--output-dir", "run.output_dir", dict(help="where runs are written (default: runs)")),

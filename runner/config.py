@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import math
 import re
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import losses
+from runner.backends import NAMES, backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,13 +292,8 @@ def identity_of(settings: Mapping[str, Any], defaults: Mapping[str, Any]) -> str
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-#: The trainer backends (``[run].backend``).
-BACKENDS = ("local", "fireworks", "tinker")
-#: A backend's static config rules, ``module:function`` (`validate` calls it).
-_BACKEND_RULES = {
-    "fireworks": "runner.fireworks._validate:validate_static",
-    "tinker": "runner.tinker._validate:validate_static",
-}
+#: The trainer backends (``[run].backend``): `runner.backends` is the registry.
+BACKENDS = NAMES
 #: A run name is one path component: letters, digits, '.', '_', '-', not '.' or '..'.
 #: Sampling temperatures the runner accepts: logits / T stays finite in float32 for |logits| < 1e35.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
@@ -429,15 +424,14 @@ def validate(cfg: Config) -> None:
             f"config [run].name must be one path component of 1-64 letters, digits, '.', '_' or "
             f"'-' (not '.' or '..'), got {cfg.run.name!r}"
         )
-    if cfg.run.backend not in BACKENDS:
-        raise ValueError(f"config [run].backend must be one of {BACKENDS}, got {cfg.run.backend!r}")
+    chosen = backend(cfg.run.backend)
     for key in ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
         positive("model", key, getattr(cfg.model, key))
     for key in ("n_kv_heads", "head_dim", "lora_rank", "logprob_chunk"):
         positive("model", key, getattr(cfg.model, key), allow_zero=True)
     if cfg.model.d_model % cfg.model.n_heads and not cfg.model.head_dim:
         raise ValueError("config [model].d_model must be divisible by [model].n_heads")
-    if cfg.run.backend == "local":
+    if chosen.in_process:  # the [model] section builds a model here: its rules now
         from runner.local import local_trainer_config
 
         local_trainer_config(cfg.model, vocab_size=2, seed=0, checkpoint_dir=None)
@@ -514,10 +508,7 @@ def validate(cfg: Config) -> None:
         weight_decay=cfg.optim.weight_decay,
         grad_clip_norm=cfg.optim.grad_clip_norm,
     )
-    rules = _BACKEND_RULES.get(cfg.run.backend)
-    if rules is not None:  # a hosted backend's own rules (no SDK import)
-        module, name = rules.split(":")
-        getattr(importlib.import_module(module), name)(cfg)
+    chosen.validate(cfg)  # a hosted backend's own rules (no SDK import)
 
 
 def _validate_data(cfg: Config) -> None:
@@ -557,7 +548,7 @@ def _validate_task(cfg: Config) -> None:
     from runner.job import build_task, build_tokenizer
 
     tokenizer = build_tokenizer(cfg)
-    if cfg.model.path and cfg.run.backend == "local":
+    if cfg.model.path and backend(cfg.run.backend).in_process:
         from runner.local import local_trainer_config
 
         model = local_trainer_config(

@@ -13,7 +13,6 @@ each phase is `runner.steps`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import shutil
@@ -30,8 +29,9 @@ from runner._lock import check_unlocked, run_lock
 from runner._protocols import Capabilities, Trainer, capabilities, require
 from runner._step import StepRunner
 from runner._types import NonFiniteUpdateError
+from runner.backends import backend
 from runner.config import Config, identity_diff, reference_reason, rl_loss
-from runner.job import build_job, build_tokenizer, check_job
+from runner.job import build_job, check_job
 from runner.steps import eval_nll, eval_problems, evaluate, rl_step, sft_step
 from runner.tracking import STATE_FILE, Tracking
 
@@ -48,23 +48,7 @@ def make_trainer(cfg: Config, run_dir: Path) -> Trainer:
 
     `run` probes its capabilities once, right after building it (`check_capabilities`).
     """
-    if cfg.run.backend == "local":
-        from runner.local import LocalTrainer, local_trainer_config
-
-        return LocalTrainer(
-            local_trainer_config(
-                cfg.model,
-                vocab_size=build_tokenizer(cfg).vocab_size,
-                seed=cfg.run.seed,
-                checkpoint_dir=str(run_dir / "trainer"),
-            )
-        )
-    module = importlib.import_module(_HOSTED_BACKENDS[cfg.run.backend])
-    return module.make_trainer(cfg, run_dir)
-
-
-#: Hosted backends: ``[run].backend`` → the module whose ``make_trainer(cfg, run_dir)`` builds it.
-_HOSTED_BACKENDS = {"fireworks": "runner.fireworks", "tinker": "runner.tinker"}
+    return backend(cfg.run.backend).make_trainer(cfg, run_dir)
 
 
 class MetricsLog:
@@ -206,7 +190,7 @@ def _reference_trainer(
     is (re)created from the current policy (a resume from before RL, or a fresh RL start).
     """
     reason = reference_reason(cfg)
-    if cfg.run.backend != "local":
+    if not backend(cfg.run.backend).in_process:
         raise ValueError(
             f"{reason} needs a reference model; it is supported on the local backend only"
         )

@@ -126,22 +126,19 @@ def _check_name(name: Any) -> None:
 def base_model_from_config(name: str, path: str | Path) -> BaseModel:
     """A main-job TOML config's local model as a base model.
 
-    The trainer config is the one ``--backend local`` builds from that file (`runner.train
-    .make_trainer`: its ``[model]``, its tokenizer's vocabulary, ``[run].seed`` as the
-    initialization seed), so a served model starts where a local run of the config starts.
+    The trainer config is the one ``--backend local`` builds from that file
+    (`runner.backends.local_trainer_config_of`: its ``[model]``, its tokenizer's vocabulary,
+    ``[run].seed`` as the initialization seed), so a served model starts where a local run of
+    the config starts.
     Its ``[model].lora_rank`` is not used (the client's ``create_model`` rank decides); its
     ``lora_alpha`` and ``lora_targets`` are the LoRA defaults of the models created from it.
     """
-    import tempfile
-
+    from runner.backends import local_trainer_config_of
     from runner.config import load_config
-    from runner.train import make_trainer
 
     _check_name(name)
     cfg = load_config(path, ["run.backend='local'"])
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = make_trainer(cfg, Path(tmp))
-    config = dataclasses.replace(trainer.config, checkpoint_dir=None, lora=None)
+    config = dataclasses.replace(local_trainer_config_of(cfg, None), lora=None)
     targets = None
     if config.decoder is not None and cfg.model.lora_targets != "all-linear":
         targets = tuple(t.strip() for t in cfg.model.lora_targets.split(",") if t.strip())
