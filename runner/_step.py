@@ -34,6 +34,7 @@ import numpy as np
 
 import losses
 from runner._client_loss import ClientLoss, PassCounter
+from runner._metrics import reduction
 from runner._padding import CheckedSeqs, normalizers
 from runner._protocols import ServerSideLosses, Trainer
 from runner._types import AdamParams, Seq, validate_seqs
@@ -194,17 +195,18 @@ def _builtin_inputs(plan: Plan, batch: losses.Batch) -> tuple[jax.Array, ...]:
 
 
 def _combine(parts: list[dict[str, float]], sizes: list[int]) -> dict[str, float]:
-    """Merges per-micro-batch metrics: losses and counts sum, other metrics row-weighted mean."""
+    """Merges per-micro-batch metrics by `runner._metrics.reduction`: losses and counts sum,
+    maxima max, other metrics row-weighted mean."""
     if len(parts) == 1:
         return dict(parts[0])
     out: dict[str, float] = {}
     total = float(sum(sizes))
     for key in parts[0]:
-        leaf = key.rsplit("/", 1)[-1]
         values = [p[key] for p in parts]
-        if leaf.endswith("loss") or leaf.startswith(("num_", "rows_")):
+        how = reduction(key)
+        if how == "sum":
             out[key] = float(sum(values))
-        elif leaf.endswith("_max"):
+        elif how == "max":
             out[key] = float(max(values))
         else:
             out[key] = float(sum(v * s for v, s in zip(values, sizes, strict=True)) / total)

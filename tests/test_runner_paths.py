@@ -328,3 +328,29 @@ def test_float16_masks_give_the_float64_loss_on_the_client_path():
     assert v16 == v64 and m16 == m64
     for a, b in zip(w64, w16, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "key, how",
+    [
+        ("loss", "sum"),
+        ("grpo/loss", "sum"),
+        ("echo_env/num_obs_tokens", "sum"),
+        ("weight_sum", "sum"),
+        ("rows_valid", "sum"),
+        ("grpo/ratio_max", "max"),
+        ("grpo/clip_frac_high", "mean"),
+        ("echo_env/nll", "mean"),
+    ],
+)
+def test_one_rule_says_how_a_metric_combines(key, how):
+    """The step runner's micro-batch merge and the local kernels' ``name:reduction`` keys read
+    one rule (`runner._metrics.reduction`); they were two, a suffix guess and a table."""
+    from runner._metrics import reduction
+    from runner._step import _combine
+    from runner.local.kernels import server_metrics
+
+    assert reduction(key) == how
+    assert server_metrics({key: 1.0}) == {f"{key}:{how}": 1.0}
+    merged = _combine([{key: 1.0}, {key: 3.0}], [1, 3])[key]
+    assert merged == {"sum": 4.0, "max": 3.0, "mean": 2.5}[how]

@@ -32,6 +32,7 @@ from runner._kernels import (
     resolve_config,
     supported,
 )
+from runner._metrics import reduction
 from runner._padding import CheckedSeqs, pad_ragged
 from runner._types import Seq
 
@@ -48,15 +49,6 @@ __all__ = [
 
 #: The kernels the local trainer runs: the whole table (`LocalTrainer.builtin_losses`).
 SUPPORTED = supported(*KERNEL_NAMES)
-
-#: Metric reductions (Fireworks ``name:reduction`` keys) of the terms' metrics; default ``mean``.
-_METRIC_REDUCTION = {
-    "loss": "sum",
-    "num_tokens": "sum",
-    "num_weighted_tokens": "sum",
-    "weight_sum": "sum",
-    "ratio_max": "max",
-}
 
 
 def resolve(loss_name: str, config: Mapping[str, Any] | None) -> tuple[KernelSpec, tuple]:
@@ -151,8 +143,9 @@ def build_batch(kernel: KernelSpec, seqs: Sequence[Seq], rows: int, width: int, 
 
 
 def server_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Term metrics as Fireworks-style ``name:reduction`` keys (``loss`` → ``loss:sum``)."""
+    """Term metrics as Fireworks-style ``name:reduction`` keys (``loss`` → ``loss:sum``; the
+    reduction is `runner._metrics.reduction`'s)."""
     out = {}
     for key, value in metrics.items():
-        out[f"{key}:{_METRIC_REDUCTION.get(key, 'mean')}"] = float(value)
+        out[f"{key}:{reduction(key)}"] = float(value)
     return out
