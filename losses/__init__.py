@@ -36,6 +36,7 @@ from losses._correction import (
     importance_weight_mean,
     mismatch_correction,
 )
+from losses._covariance import clip_cov, kl_cov
 from losses._critic import gae, masked_whiten, value_loss
 from losses._distill import (
     REVERSE_KL_FORMS,
@@ -48,15 +49,15 @@ from losses._distill import (
     topk_jsd,
     topk_reverse_kl,
 )
+from losses._dppo import DIVERGENCES, dppo, dppo_tv_kl
 from losses._env import ENV_NORMALIZATIONS, echo_env, echo_env_weights, observation_mask
 from losses._fold import fold
 from losses._grpo import grpo
+from losses._kl import KL_TARGETS, kl_loss
 from losses._per_datum import per_datum_batch
 from losses._policy import (
-    DIVERGENCES,
     cispo,
     dapo,
-    dppo,
     dro,
     importance_sampling,
     policy_term,
@@ -64,8 +65,7 @@ from losses._policy import (
     reinforce,
     sapo,
 )
-from losses._policy_new import KL_TARGETS, clip_cov, dppo_tv_kl, kl_cov, kl_loss, vespo
-from losses._policy_seq import gmpo, gspo, luspo
+from losses._policy_seq import gmpo, gspo, luspo, vespo
 from losses._preference import (
     CPO_LOSS_TYPES,
     DPO_LOSS_TYPES,

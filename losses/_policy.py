@@ -43,13 +43,10 @@ from losses._reductions import term_weights, validate_reduction
 #: ``(*, logprobs, anchor, log_ratio, adv, valid) -> (ℓ[B, T], extra metrics)``.
 PerToken = Callable[..., tuple[jax.Array, dict]]
 
-DIVERGENCES = ("binary_tv", "binary_kl")
 #: The ``max_log_ratio`` the built-in twins assume: the cookbook clients' ``ratio_log_cap``
 #: default. The ``ppo``/``importance_sampling`` kernels take no cap; a clamp at 20 binds only
 #: beyond e^±20.
 TWIN_MAX_LOG_RATIO = 20.0
-#: Fireworks ``dppo`` default thresholds per divergence.
-DEFAULT_DPPO_THRESHOLD = {"binary_tv": 0.15, "binary_kl": 0.05}
 
 
 def policy_term(
@@ -600,91 +597,6 @@ def dro(
         twin=Twin("dro", {"beta": b}, all_targets_actions=True)
         if reduction == "token_sum"
         else None,
-    )
-
-
-def binary_divergence(logprobs_BT, anchor_BT, divergence: str) -> jax.Array:
-    """DPPO's per-token divergence between Bernoulli(μ = e^q) and Bernoulli(π = e^p).
-
-    ``binary_tv``: ``|μ - π|``. ``binary_kl``: ``μ·log(μ/π) + (1-μ)·log((1-μ)/(1-π))`` with
-    both probabilities clipped to ``[eps, 1-eps]`` (``eps`` = the dtype's machine epsilon), so the
-    value is finite for any finite input. Stop-gradient (it only selects tokens).
-    """
-    p = jax.lax.stop_gradient(logprobs_BT)
-    q = jax.lax.stop_gradient(anchor_BT)
-    pi = jnp.exp(jnp.minimum(p, 0.0))
-    mu = jnp.exp(jnp.minimum(q, 0.0))
-    if divergence == "binary_tv":
-        return jnp.abs(mu - pi)
-    eps = jnp.finfo(pi.dtype).eps
-    pi = jnp.clip(pi, eps, 1.0 - eps)
-    mu = jnp.clip(mu, eps, 1.0 - eps)
-    return mu * (jnp.log(mu) - jnp.log(pi)) + (1.0 - mu) * (jnp.log1p(-mu) - jnp.log1p(-pi))
-
-
-def dppo(
-    *,
-    divergence: str = "binary_tv",
-    threshold: float | None = None,
-    reduction: str = "token_mean",
-    max_tokens: float | None = None,
-    max_log_ratio: float = 20.0,
-    correction: Any = None,
-) -> Term:
-    """DPPO: importance-sampled PG with a divergence trust-region mask (Fireworks ``dppo``).
-
-    Instead of clipping the ratio, DPPO (SkyRL ``dppo``; docs/sources.md#the-policy-family) drops
-    the tokens that moved too far *in the improving direction*, measured by a divergence of the
-    token's Bernoulli distributions ``μ = e^q`` (anchor) and ``π = e^p`` (current)::
-
-        improving = (A > 0 and r > 1) or (A < 0 and r < 1)
-        M = 1 - 1[improving and D(μ, π) > threshold]
-        ℓ = -r·A·sg(M)
-
-    ``D`` is ``binary_tv = |μ - π|`` or ``binary_kl = KL(Bern(μ) ‖ Bern(π))``. The gradient is
-    ``-r·A·w`` on kept tokens and exactly 0 on dropped ones. Formula *inferred* (Fireworks SDK
-    docs/training-api.md#builtin-kernels: the built-in is not public); SkyRL's variant has separate low/high thresholds
-    and anchors the ratio on the rollout logprobs (here: on ``old_logprobs``, which defaults to
-    the sampling logprobs). With ``reduction="token_sum"`` this is the built-in ``dppo`` kernel.
-
-    Args:
-      divergence: ``"binary_tv"`` (default) or ``"binary_kl"``.
-      threshold: δ > 0 (≤ 1 for TV); default 0.15 (TV) / 0.05 (KL), the Fireworks defaults.
-      reduction: one of ``losses.REDUCTIONS``.
-      max_tokens: the ``seq_mean_token_sum_norm`` constant.
-      max_log_ratio: clamp of ``p - q`` before ``exp``.
-      correction: optional `losses.mismatch_correction`.
-
-    Returns:
-      A `Term`. Metrics add ``mask_frac`` (dropped tokens) and ``divergence_mean``.
-    """
-    where = "dppo"
-    mlr = _common_args(where, reduction, max_tokens, max_log_ratio)
-    check_choice(where, "divergence", divergence, DIVERGENCES)
-    if threshold is None:
-        threshold = DEFAULT_DPPO_THRESHOLD[divergence]
-    high = 1.0 if divergence == "binary_tv" else None
-    delta = check_number(where, "threshold", threshold, low=0.0, low_open=True, high=high)
-
-    def per_token(*, logprobs, anchor, log_ratio, adv, valid, **_):
-        div = binary_divergence(logprobs, anchor, divergence)
-        lr = jax.lax.stop_gradient(log_ratio)
-        improving = ((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0))
-        drop = valid & improving & (div > delta)
-        keep = jax.lax.stop_gradient(1.0 - drop.astype(log_ratio.dtype))
-        terms = -jnp.exp(log_ratio) * adv * keep
-        return terms, {"mask_frac": _frac(drop, lr.dtype), "divergence_mean": div}
-
-    return policy_term(
-        name="dppo",
-        kind="dppo",
-        per_token=per_token,
-        reduction=reduction,
-        max_tokens=max_tokens,
-        max_log_ratio=mlr,
-        config=dict(divergence=divergence, threshold=delta),
-        correction=correction,
-        twin=Twin("dppo", {"divergence": divergence, "threshold": delta}, provenance="inferred"),
     )
 
 

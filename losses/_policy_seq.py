@@ -1,4 +1,5 @@
-"""Sequence-ratio policy terms: GSPO (GSPO-token gradient form), LUSPO and GMPO.
+"""Sequence-level policy terms: GSPO (GSPO-token gradient form), LUSPO and GMPO (a sequence
+ratio), and VESPO (a detached sequence weight).
 
 Both compute a per-row ratio from the masked mean of the token log-ratios. Padding and masked
 tokens never enter the mean (the denominator is the row's action-token count ``N_i``), and every
@@ -8,13 +9,18 @@ padding leave the value and the gradient unchanged.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from losses._batch import Term, Twin
-from losses._common import check_number, ppo_clip_terms
+from losses._common import (
+    check_number,
+    ppo_clip_terms,
+)
+from losses._correction import as_correction
 from losses._policy import TWIN_MAX_LOG_RATIO, _common_args, policy_term, ratio_bounds
 
 #: GSPO paper / TRL recipe clip offsets (ε_lo, ε_hi).
@@ -340,4 +346,102 @@ def gmpo(
         max_log_ratio=mlr,
         config=dict(clip_low=el, clip_high=eh),
         correction=correction,
+    )
+
+
+#: VESPO's clamp of the log sequence weight, ``[log 1e-8, 20]``, and of each IS weight.
+_VESPO_LOG_W = (math.log(1e-8), 20.0)
+
+
+def vespo(
+    *,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+    reduction: str = "token_mean",
+    max_tokens: float | None = None,
+    max_log_ratio: float = 20.0,
+    correction: Any = None,
+) -> Term:
+    """VESPO: a detached gamma-shaped sequence weight on the REINFORCE gradient (TRL
+    ``loss_type="vespo"``, ``get_gamma_weights``).
+
+    Per row ``i`` and action token ``t`` (docs/sources.md#newer-objectives; ``c_t`` the token-level
+    mismatch correction's weight, 1 without one)::
+
+        log w_i = clip(Σ_t m·clip(p - q, ±max_log_ratio) + Σ_t m·log clip(c_t, 1e-8, e^20),
+                       log 1e-8, 20)
+        φ_it    = exp(λ + k·log w_i - λ·w_i)    (k, λ) = (k_pos, λ_pos) if A_t ≥ 0 else (k_neg, λ_neg)
+        ℓ_t     = -sg(φ_it)·A_t·p_t
+
+    ``λ`` is clamped at ``≥ 1e-4`` and a non-finite ``φ`` becomes 0, as in TRL. ``φ(1) = 1`` (so
+    the on-policy gradient is ``-A·w``) and ``φ`` peaks at ``w = k/λ``. The gradient is
+    ``-φ·A·w``: the linear surrogate ``Σ -sg(φ·A·w)·p`` (a ``cross_entropy`` pass with weights
+    ``φ·A·w`` once φ is known). Example (§3.2): ``Σ_t (p - q) = 0.3`` gives ``φ = 0.63790`` for
+    ``A = +1`` and ``φ = 1.22175`` for ``A = -1``.
+
+    The correction is **folded into** ``w`` (TRL folds its vLLM IS weight in and does not
+    multiply it again), so it must be token-level (TRL raises unless the vLLM IS mode is
+    ``token_*``): ``tis`` token ≈ ``token_truncate``, ``mis``/``icepop`` token ≈ ``token_mask``.
+
+    Args:
+      k_pos: ``k ≥ 0`` for ``A ≥ 0`` (TRL ``vespo_k_pos`` 2.0).
+      lambda_pos: ``λ > 0`` for ``A ≥ 0`` (TRL ``vespo_lambda_pos`` 3.0).
+      k_neg: ``k ≥ 0`` for ``A < 0`` (TRL ``vespo_k_neg`` 3.0).
+      lambda_neg: ``λ > 0`` for ``A < 0`` (TRL ``vespo_lambda_neg`` 2.0).
+      reduction: one of ``losses.REDUCTIONS`` (TRL aggregates ``vespo`` like ``dapo``: the
+        global token mean, the default).
+      max_tokens: the ``seq_mean_token_sum_norm`` constant.
+      max_log_ratio: clamp of each token's ``p - q`` before the sum.
+      correction: optional token-level `losses.mismatch_correction` (every rule at
+        ``level="token"``), folded into ``w``.
+
+    Returns:
+      A `Term` (no built-in twin). Metrics add ``phi_mean`` and ``seq_weight_mean`` (mean ``φ``
+      and ``w`` over action tokens).
+    """
+    where = "vespo"
+    mlr = _common_args(where, reduction, max_tokens, max_log_ratio)
+    kp = check_number(where, "k_pos", k_pos, low=0.0)
+    lp_ = check_number(where, "lambda_pos", lambda_pos, low=0.0, low_open=True)
+    kn = check_number(where, "k_neg", k_neg, low=0.0)
+    ln_ = check_number(where, "lambda_neg", lambda_neg, low=0.0, low_open=True)
+    corr = as_correction(correction, where)
+    if corr is not None:
+        bad = [r.kind for r in corr.rules if r.level != "token"]
+        if bad:
+            raise ValueError(
+                f"{where}: the correction must be token-level (it is folded into the sequence "
+                f"weight; TRL raises unless the vLLM IS mode is token_*), got rules {bad} at "
+                "another level"
+            )
+    lam_p, lam_n = max(lp_, 1e-4), max(ln_, 1e-4)
+    lo_w, hi_w = _VESPO_LOG_W
+
+    def per_token(*, logprobs, log_ratio, adv, valid, correction, **_):
+        dtype = log_ratio.dtype
+        sg = jax.lax.stop_gradient
+        m = valid.astype(dtype)
+        c = jnp.clip(jnp.where(valid, sg(correction), 1.0), math.exp(lo_w), math.exp(hi_w))
+        log_w = jnp.sum(m * (sg(log_ratio) + jnp.log(c)), axis=1, keepdims=True)
+        log_w = jnp.clip(log_w, lo_w, hi_w)
+        pos = adv >= 0
+        k = jnp.where(pos, kp, kn).astype(dtype)
+        lam = jnp.where(pos, lam_p, lam_n).astype(dtype)
+        phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+        phi = sg(jnp.where(jnp.isfinite(phi), phi, 0.0))
+        w_BT = jnp.broadcast_to(jnp.exp(log_w), log_ratio.shape)
+        return -phi * adv * logprobs, {"phi_mean": phi, "seq_weight_mean": w_BT}
+
+    return policy_term(
+        name=where,
+        kind=where,
+        per_token=per_token,
+        reduction=reduction,
+        max_tokens=max_tokens,
+        max_log_ratio=mlr,
+        config=dict(k_pos=kp, lambda_pos=lp_, k_neg=kn, lambda_neg=ln_),
+        correction=corr,
+        correction_to_per_token=True,
     )

@@ -19,14 +19,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from losses._batch import Term
+from losses._covariance import clip_cov, kl_cov
 from losses._critic import value_loss
 from losses._distill import reverse_kl_distillation, topk_forward_kl, topk_jsd, topk_reverse_kl
+from losses._dppo import dppo, dppo_tv_kl
 from losses._env import echo_env
 from losses._fold import fold
 from losses._grpo import grpo
-from losses._policy import cispo, dapo, dppo, dro, importance_sampling, ppo, reinforce, sapo
-from losses._policy_new import clip_cov, dppo_tv_kl, kl_cov, kl_loss, vespo
-from losses._policy_seq import gmpo, gspo, luspo
+from losses._kl import kl_loss
+from losses._policy import cispo, dapo, dro, importance_sampling, ppo, reinforce, sapo
+from losses._policy_seq import gmpo, gspo, luspo, vespo
 from losses._preference import cpo, dpo, kto, orpo, simpo
 from losses._sft import sft_cross_entropy, weighted_cross_entropy
 

@@ -1,4 +1,4 @@
-"""The policy family (losses/_policy.py, losses/_policy_seq.py, losses/_policy_new.py): configs
+"""The policy family (losses/_policy.py, _policy_seq.py, _dppo.py, _covariance.py, _kl.py): configs
 that rebuild their terms, regressions for peer defects, bad input, and the newer objectives of
 docs/sources.md#newer-objectives (Clip-Cov, KL-Cov, VESPO, LUSPO, two-sided delta, GSPO-token,
 prime-rl DPPO-Binary-TV + KL) with their worked examples and what holds of them where a generic
@@ -251,7 +251,7 @@ def test_missing_batch_fields_are_named():
 
 
 def test_docstring_examples_run():
-    for mod in ("_policy", "_policy_seq", "_policy_new"):
+    for mod in ("_policy", "_policy_seq", "_dppo", "_covariance", "_kl"):
         result = doctest.testmod(importlib.import_module(f"losses.{mod}"))
         assert result.failed == 0, mod
 
