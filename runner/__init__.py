@@ -1,4 +1,18 @@
-"""foldloss `runner`: drive `losses` terms against a trainer (local JAX or Fireworks)."""
+"""foldloss `runner`: drive `losses` terms against a trainer.
+
+Where things are:
+
+* the trainer protocol and its capabilities (`runner._protocols`), sequences and results
+  (`runner._types`), the builtin-kernel table (`runner._kernels`);
+* the step planner and the client-loss adapter (`runner._step`, `runner._client_loss`);
+* the backends, one registry (`runner.backends`): the embedded JAX trainer (`runner.local`),
+  Tinker (`runner.tinker`) and Fireworks (`runner.fireworks`) through their SDKs;
+* the local training server behind both SDKs (`runner.serve`);
+* the main job: config (`runner.config`), tasks and rollouts (`runner.tasks`), SFT data
+  (`runner.data`, `runner.sft`), the run loop and checkpoints (`runner.train`,
+  `runner.checkpoints`), tracking and reports (`runner.tracking`, `runner.report`), the CLI
+  (``python -m runner``).
+"""
 
 from runner import env
 from runner._client_loss import ClientLoss, PassCounter
