@@ -815,14 +815,8 @@ def test_the_tinker_backend_overlaps_sampling_and_training_against_the_local_ser
     config = ServeConfig(api_key=key, state_dir=str(tmp_path / "state"), long_poll_s=0.5)
     steps = 3
     sets = [
-        *CONCURRENT,
-        "sft.steps=0",
-        f"rl.steps={steps}",
-        "rl.max_off_policy_steps=1",
-        "rl.pipeline_chunks=2",
+        *_overlapped_sets(steps),
         'rl.anchor="old_policy"',
-        "task.kwargs.latency_ms=20",
-        "checkpoint.interval=0",
         "tinker.base_model='foldloss/tiny'",
         f"tinker.api_key_env='{key_env}'",
         "tinker.lora_rank=8",
@@ -838,6 +832,20 @@ def test_the_tinker_backend_overlaps_sampling_and_training_against_the_local_ser
         del os.environ[key_env]
     rl = _overlapped_rl_steps(tmp_path / "runs" / "tiny", steps, streamed_forwards=1)
     assert all(abs(r["grpo/ratio_max"] - 1.0) < 1e-5 for r in rl)  # the old-policy anchor
+
+
+def _overlapped_sets(steps: int) -> list[str]:
+    """The ``--set`` overrides of a hosted ``O = 1``, ``K = 2`` run of ``steps`` RL steps with a
+    20 ms tool (no SFT, no checkpoints)."""
+    return [
+        *CONCURRENT,
+        "sft.steps=0",
+        f"rl.steps={steps}",
+        "rl.max_off_policy_steps=1",
+        "rl.pipeline_chunks=2",
+        "task.kwargs.latency_ms=20",
+        "checkpoint.interval=0",
+    ]
 
 
 def _overlapped_rl_steps(run_dir: Path, steps: int, *, streamed_forwards: int) -> list[dict]:
@@ -882,13 +890,7 @@ def test_the_fireworks_backend_overlaps_sampling_and_training_against_the_local_
     config = ServeConfig(api_key=key, state_dir=str(tmp_path / "state"), long_poll_s=0.5)
     steps = 3
     sets = [
-        *CONCURRENT,
-        "sft.steps=0",
-        f"rl.steps={steps}",
-        "rl.max_off_policy_steps=1",
-        "rl.pipeline_chunks=2",
-        "task.kwargs.latency_ms=20",
-        "checkpoint.interval=0",
+        *_overlapped_sets(steps),
         f"fireworks.base_model='{base}'",
         "fireworks.training_shape_id='accounts/fireworks/trainingShapes/ts-qwen3-8b-policy'",
         f"fireworks.api_key_env='{key_env}'",
