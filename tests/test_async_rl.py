@@ -806,7 +806,6 @@ def test_the_tinker_backend_overlaps_sampling_and_training_against_the_local_ser
     import os
     import uuid
 
-    from runner import __main__ as cli
     from runner.serve import ServeConfig, ServerThread, parse_model_flags
 
     key_env, key = "FOLDLOSS_TEST_ASYNC_TINKER_KEY", f"tml-SENTINEL-{uuid.uuid4().hex}"
@@ -823,11 +822,7 @@ def test_the_tinker_backend_overlaps_sampling_and_training_against_the_local_ser
     ]
     try:
         with ServerThread(config, models) as st:
-            args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path / "runs")]
-            args += ["--no-progress", "--backend", "tinker"]
-            for s in [*sets, f"tinker.base_url='{st.url}'"]:
-                args += ["--set", s]
-            assert cli.main(args) == 0
+            _train_hosted(tmp_path / "runs", "tinker", st.url, sets)
     finally:
         del os.environ[key_env]
     rl = _overlapped_rl_steps(tmp_path / "runs" / "tiny", steps, streamed_forwards=1)
@@ -846,6 +841,18 @@ def _overlapped_sets(steps: int) -> list[str]:
         "task.kwargs.latency_ms=20",
         "checkpoint.interval=0",
     ]
+
+
+def _train_hosted(out: Path, backend: str, url: str, sets: list[str]) -> None:
+    """``python -m runner train`` of examples/tiny.toml in process on a hosted ``backend``
+    whose service is at ``url``, with the ``--set`` overrides ``sets``; it must exit 0."""
+    from runner import __main__ as cli
+
+    args = ["train", "--config", str(TINY), "--output-dir", str(out), "--no-progress"]
+    args += ["--backend", backend]
+    for s in [*sets, f"{backend}.base_url='{url}'"]:
+        args += ["--set", s]
+    assert cli.main(args) == 0
 
 
 def _overlapped_rl_steps(run_dir: Path, steps: int, *, streamed_forwards: int) -> list[dict]:
@@ -877,7 +884,6 @@ def test_the_fireworks_backend_overlaps_sampling_and_training_against_the_local_
     pytest.importorskip("aiohttp")
     import uuid
 
-    from runner import __main__ as cli
     from runner.serve import ServeConfig, ServerThread, parse_model_flags
     from tests.wire_helpers import no_control_plane_waits
 
@@ -896,10 +902,6 @@ def test_the_fireworks_backend_overlaps_sampling_and_training_against_the_local_
         f"fireworks.api_key_env='{key_env}'",
     ]
     with ServerThread(config, models) as st:
-        args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path / "runs")]
-        args += ["--no-progress", "--backend", "fireworks"]
-        for s in [*sets, f"fireworks.base_url='{st.url}'"]:
-            args += ["--set", s]
-        assert cli.main(args) == 0
+        _train_hosted(tmp_path / "runs", "fireworks", st.url, sets)
     rl = _overlapped_rl_steps(tmp_path / "runs" / "tiny", steps, streamed_forwards=0)
     assert all(r["passes/forwards"] == 4 for r in rl)  # 2 forwards a chunk (client path)
